@@ -1,0 +1,69 @@
+"""Every plugin variable parses its documented values and rejects the rest by name."""
+
+import pytest
+
+from vllm_omni_graphdecode import config
+
+
+def test_defaults_leave_the_plugin_off():
+    cfg = config.parse({})
+    assert cfg.models == frozenset()
+    assert not cfg.enabled
+    assert cfg.precapture is True and cfg.verify is False
+    assert cfg.fa_version == "auto" and cfg.sensenova_intree == "defer"
+    assert cfg.buckets == (512, 1024, 2048, 4096, 8192)
+
+
+@pytest.mark.parametrize("raw,models", [
+    ("0", set()), ("", set()), ("off", set()),
+    ("1", {"sensenova_u1", "qwen_image_21"}), ("all", {"sensenova_u1", "qwen_image_21"}),
+    ("sensenova_u1", {"sensenova_u1"}), ("qwen_image_21", {"qwen_image_21"}),
+    (" sensenova_u1 , qwen_image_21 ", {"sensenova_u1", "qwen_image_21"}),
+])
+def test_enable_variable_accepts_documented_values(raw, models):
+    assert config.parse({"VLLM_OMNI_GRAPHDECODE": raw}).models == models
+
+
+@pytest.mark.parametrize("var,raw,accepted", [
+    ("VLLM_OMNI_GRAPHDECODE", "2", "comma list of sensenova_u1, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE", "sensenova", "comma list of sensenova_u1, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE", "sensenova_u1,flux", "comma list of sensenova_u1, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE", ",", "comma list of sensenova_u1, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE_VERIFY", "maybe", "1/true/yes/on or 0/false/no/off"),
+    ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE", "2", "1/true/yes/on or 0/false/no/off"),
+    ("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "4", "auto, 2, 3"),
+    ("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "fa3", "auto, 2, 3"),
+    ("VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE", "replace", "defer, takeover"),
+    ("VLLM_OMNI_GRAPHDECODE_BUCKETS", "512,abc", "increasing positive multiples of 16"),
+    ("VLLM_OMNI_GRAPHDECODE_BUCKETS", "1024,512", "increasing positive multiples of 16"),
+    ("VLLM_OMNI_GRAPHDECODE_BUCKETS", "500", "increasing positive multiples of 16"),
+    ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "0", "increasing positive multiples of 16"),
+    ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "16384", "buckets listed in"),
+    ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "0", "a positive integer"),
+    ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "many", "a positive integer"),
+])
+def test_invalid_value_names_variable_value_and_what_is_accepted(var, raw, accepted):
+    with pytest.raises(config.ConfigError) as err:
+        config.parse({var: raw})
+    message = str(err.value)
+    assert var in message
+    assert accepted in message
+    if var != "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS" or raw == "0":
+        assert repr(raw) in message
+
+
+def test_every_setting_is_documented_in_readme():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    for setting in config.SETTINGS:
+        assert f"`{setting.var}`" in readme, setting.var
+        assert f"`{setting.default}`" in readme, (setting.var, setting.default)
+
+
+def test_get_parses_once_per_process(monkeypatch):
+    monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE", "sensenova_u1")
+    first = config.get()
+    monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE", "qwen_image_21")
+    assert config.get() is first
+    assert first.models == {"sensenova_u1"}

@@ -1,0 +1,48 @@
+"""`python -m vllm_omni_graphdecode doctor` runs on a CPU machine and says why no GPU path runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _doctor(*args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "vllm_omni_graphdecode", "doctor", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def report():
+    proc = _doctor("--json", env_extra={"VLLM_OMNI_GRAPHDECODE": "all"})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_doctor_reports_versions_of_the_stack(report):
+    for dist in ("vllm", "vllm-omni", "torch", "diffusers"):
+        assert report["versions"][dist] != "not installed", dist
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only report")
+def test_doctor_on_cpu_says_why_no_gpu_path(report):
+    assert report["gpu"] is None and "CUDA" in report["why"]
+    assert "not CUDA" in report["paged_attention_kernel"] or "no CUDA" in report[
+        "paged_attention_kernel"]
+
+
+def test_doctor_prints_parsed_config_and_hook_matrix(report):
+    assert report["config"]["VLLM_OMNI_GRAPHDECODE"] == "qwen_image_21,sensenova_u1"
+    assert set(report["hooks"]) == {"sensenova_u1", "qwen_image_21"}
+    assert "0.30" in " ".join(report["hooks"]["sensenova_u1"])
+    assert set(report["this_install"]) == {"sensenova_u1", "qwen_image_21"}
+
+
+def test_doctor_flags_invalid_config_with_exit_2():
+    proc = _doctor(env_extra={"VLLM_OMNI_GRAPHDECODE_FA_VERSION": "9"})
+    assert proc.returncode == 2
+    assert "VLLM_OMNI_GRAPHDECODE_FA_VERSION='9'" in proc.stdout

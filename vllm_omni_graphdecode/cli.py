@@ -1,0 +1,132 @@
+"""Command line: ``python -m vllm_omni_graphdecode {doctor,demo,stats}``.
+
+``doctor`` answers "would the fast path run here, and if not, why" without loading a model.
+``demo`` builds the real model classes at small size with random weights and runs them through the
+plugin (``demo.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+
+from . import config
+
+PACKAGES = ("vllm", "vllm-omni", "torch", "diffusers", "transformers", "vllm-omni-graphdecode")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_report() -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {"gpu": None, "why": "torch is not installed"}
+    if not torch.cuda.is_available():
+        return {"gpu": None, "why": "torch sees no CUDA device (CPU-only machine or CPU build of "
+                                    f"torch {torch.__version__})"}
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"gpu": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}"}
+
+
+def doctor_report() -> dict:
+    report: dict = {"python": platform.python_version(),
+                    "versions": {d: _version(d) for d in PACKAGES}}
+    report.update(gpu_report())
+    try:
+        cfg = config.get()
+        report["config"] = cfg.as_env()
+    except config.ConfigError as exc:
+        cfg = None
+        report["config_error"] = str(exc)
+    try:
+        from . import kernels
+
+        report["paged_attention_kernel"] = kernels.describe(
+            cfg.fa_version if cfg is not None else "auto")
+    except Exception as exc:  # doctor must print what it can
+        report["paged_attention_kernel"] = f"unknown: {exc!r}"
+    from . import loading
+    from .hooks import HOOK_MODULES, load
+
+    omni = loading.omni_version()
+    report["vllm_omni_supported"] = loading.check_omni_version(omni) or f"yes ({omni})"
+    hooks = {}
+    for model in HOOK_MODULES:
+        try:
+            hooks[model] = load(model).support()
+        except Exception as exc:
+            hooks[model] = {"error": repr(exc)}
+    report["hooks"] = hooks
+    if omni is not None:
+        minor = ".".join(omni.split(".")[:2])
+        report["this_install"] = {m: _support_for(h, minor) for m, h in hooks.items()}
+    return report
+
+
+def _support_for(matrix: dict, minor: str) -> str:
+    for version, what in matrix.items():
+        if version.startswith(minor):
+            return what
+    return matrix.get("other", "no entry for this version")
+
+
+def _print_doctor(report: dict) -> None:
+    print("vllm-omni-graphdecode doctor")
+    print(f"  python {report['python']}")
+    for dist, version in report["versions"].items():
+        print(f"  {dist:24s} {version}")
+    if report.get("gpu"):
+        print(f"  GPU: {report['gpu']} (compute capability {report['compute_capability']})")
+    else:
+        print(f"  GPU: none: {report['why']}")
+    print(f"  paged-attention kernel: {report['paged_attention_kernel']}")
+    print(f"  vllm-omni supported: {report['vllm_omni_supported']}")
+    if "config_error" in report:
+        print(f"  configuration: INVALID: {report['config_error']}")
+    else:
+        print("  configuration:")
+        for var, value in report["config"].items():
+            print(f"    {var}={value}")
+    print("  hooks (vllm-omni version -> what happens):")
+    for model, matrix in report["hooks"].items():
+        print(f"    {model}:")
+        for version, what in matrix.items():
+            print(f"      {version}: {what}")
+    for model, what in report.get("this_install", {}).items():
+        print(f"  with this install, {model}: {what}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_omni_graphdecode")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="versions, GPU, kernel, configuration, which hooks apply")
+    doc.add_argument("--json", action="store_true", help="print the report as JSON")
+    demo = sub.add_parser("demo", help="run tiny real models through the plugin and report")
+    demo.add_argument("--json", action="store_true", help="also print the stats as JSON")
+    args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        report = doctor_report()
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print_doctor(report)
+        return 0 if "config_error" not in report else 2
+    if args.command == "demo":
+        from . import demo as demo_mod
+
+        return demo_mod.main(json_stats=args.json)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The plugin's environment variables, parsed once, with errors that say what is accepted.
+
+Every setting the plugin reads is declared in ``SETTINGS`` below; README's configuration table is
+written from the same list (``python -m vllm_omni_graphdecode doctor`` prints the parsed values).
+A bad value raises ``ConfigError`` at start-up naming the variable, the value and what is accepted:
+a typo must not silently leave the server on the slow path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Mapping
+
+ENABLE_VAR = "VLLM_OMNI_GRAPHDECODE"
+MODEL_KEYS = ("sensenova_u1", "qwen_image_21")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """An environment variable of this plugin holds a value it does not accept."""
+
+
+def _bad(var: str, raw: str, accepted: str) -> ConfigError:
+    return ConfigError(f"{var}={raw!r} is not accepted; accepted: {accepted}")
+
+
+def _parse_models(var: str, raw: str) -> frozenset[str]:
+    value = raw.strip().lower()
+    if value in ("", "0", "off", "false", "none"):
+        return frozenset()
+    if value in ("1", "all", "on", "true"):
+        return frozenset(MODEL_KEYS)
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in MODEL_KEYS]
+    if unknown or not keys:
+        raise _bad(var, raw, "unset or 0 (off), 1 or all (every model), or a comma list of "
+                   + ", ".join(MODEL_KEYS))
+    return frozenset(keys)
+
+
+def _parse_bool(var: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _bad(var, raw, "1/true/yes/on or 0/false/no/off")
+
+
+def _choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(var: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise _bad(var, raw, ", ".join(choices))
+        return value
+    return parse
+
+
+def _positive_int(var: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise _bad(var, raw, "a positive integer") from None
+    if value <= 0:
+        raise _bad(var, raw, "a positive integer")
+    return value
+
+
+def _int_list(var: str, raw: str) -> tuple[int, ...]:
+    accepted = "a comma list of increasing positive multiples of 16, e.g. 512,1024,2048"
+    try:
+        values = tuple(int(v) for v in raw.split(",") if v.strip())
+    except ValueError:
+        raise _bad(var, raw, accepted) from None
+    if (not values or any(v <= 0 or v % 16 for v in values)
+            or any(b <= a for a, b in zip(values, values[1:]))):
+        raise _bad(var, raw, accepted)
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    var: str
+    default: str
+    parse: Callable[[str, str], object]
+    field: str
+    doc: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(ENABLE_VAR, "0", _parse_models, "models",
+            "Turns the plugin on: unset/0 off; 1/all every model; or a comma list of "
+            "sensenova_u1, qwen_image_21."),
+    Setting("VLLM_OMNI_GRAPHDECODE_VERIFY", "0", _parse_bool, "verify",
+            "1: the first replay of every new graph is checked against the eager step; a mismatch "
+            "disables that graph (WARNING) and the request goes on eagerly. Costs one eager step "
+            "per new graph."),
+    Setting("VLLM_OMNI_GRAPHDECODE_PRECAPTURE", "1", _parse_bool, "precapture",
+            "1: capture SenseNova-U1's decode graphs for the pre-capture buckets at model load, "
+            "so the first request pays no capture. 0: capture lazily on first use."),
+    Setting("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "auto", _choice("auto", "2", "3"), "fa_version",
+            "FlashAttention version for paged decode: auto (FA3 on Hopper when the build has it, "
+            "else FA2), 2 or 3."),
+    Setting("VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE", "defer", _choice("defer", "takeover"),
+            "sensenova_intree",
+            "vllm-omni >= 0.30 ships its own SenseNova-U1 paged decode: defer leaves it in charge; "
+            "takeover replaces its decode context with this plugin's."),
+    Setting("VLLM_OMNI_GRAPHDECODE_BUCKETS", "512,1024,2048,4096,8192", _int_list, "buckets",
+            "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
+            "buffers grow by one last-bucket step at a time (tail step)."),
+    Setting("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "512,1024,2048", _int_list,
+            "precapture_buckets",
+            "Buckets captured at model load when pre-capture is on (a think request reaches "
+            "these)."),
+    Setting("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "16", _positive_int, "max_entries",
+            "Qwen-Image-2.1: most prefix-graph entries kept (LRU). Each live request branch "
+            "(cond, uncond) holds one; 16 covers --max-num-seqs 8 with true CFG."),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    models: frozenset[str]
+    verify: bool
+    precapture: bool
+    fa_version: str
+    sensenova_intree: str
+    buckets: tuple[int, ...]
+    precapture_buckets: tuple[int, ...]
+    max_entries: int
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.models)
+
+    def as_env(self) -> dict[str, str]:
+        """The parsed values keyed by variable, for logs and `doctor`."""
+        return {s.var: _show(getattr(self, s.field)) for s in SETTINGS}
+
+
+def _show(value: object) -> str:
+    if isinstance(value, frozenset):
+        return ",".join(sorted(value)) or "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def parse(environ: Mapping[str, str] | None = None) -> Config:
+    """Parse the plugin's variables from ``environ`` (default ``os.environ``)."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for s in SETTINGS:
+        raw = environ.get(s.var)
+        values[s.field] = s.parse(s.var, s.default if raw is None else raw)
+    cfg = Config(**values)
+    if not set(cfg.precapture_buckets) <= set(cfg.buckets):
+        raise ConfigError(
+            f"VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS={_show(cfg.precapture_buckets)!r} is not "
+            f"accepted; accepted: buckets listed in VLLM_OMNI_GRAPHDECODE_BUCKETS "
+            f"({_show(cfg.buckets)})")
+    return cfg
+
+
+_CONFIG: Config | None = None
+
+
+def get() -> Config:
+    """The process's configuration, parsed on first use."""
+    global _CONFIG
+    if _CONFIG is None:
+        _CONFIG = parse()
+    return _CONFIG
+
+
+def reset_for_tests(cfg: Config | None = None) -> None:
+    global _CONFIG
+    _CONFIG = cfg
