@@ -119,8 +119,8 @@ def _offer(model: str, candidates: list, cfg: config.Config, runner) -> str | No
     try:
         return f"{model}: {hook.wire(target, cfg, runner)}"
     except HookRefused as exc:
-        stats.fallback(model, "hook refused the model", "see the reason; the model is served eagerly",
-                       str(exc))
+        # The refusal's own text is the reason: two different refusals must both reach the log.
+        stats.fallback(model, f"not wired: {exc}", "see the reason; the model is served eagerly")
         return f"{model}: not wired ({exc})"
     except Exception as exc:
         stats.fallback(model, "hook raised while wiring", "report this with the traceback", repr(exc))

@@ -1,0 +1,219 @@
+"""Qwen-Image-2.1 hook on a CUDA GPU: captured cached steps against the eager ones, request safety
+under interleaving, injected failures, and device memory over many requests.
+
+Tiny model in bf16 (3 layers, 4 heads x 64), 40 text tokens, a 16x16 target (256 tokens).
+Comparisons are exact: a replay runs the kernels its capture recorded, on the same values, so any
+difference is a bug (a stale address, a Python decision frozen for the wrong shape), not rounding.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from qwen_tiny import (
+    GPU_CONFIG,
+    at_step,
+    cached_call,
+    cached_reference,
+    extract,
+    request,
+    tiny_pipeline,
+    tiny_transformer,
+)
+from vllm_omni_graphdecode import prefix_graph, stats
+from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
+
+pytestmark = pytest.mark.gpu
+MODEL = qwen.MODEL
+TEXT, TARGET = 40, (16, 16)
+
+
+def gpu_model():
+    return tiny_transformer(GPU_CONFIG, dtype=torch.bfloat16, device="cuda")
+
+
+def reasons() -> set[str]:
+    return {key.split(": ", 1)[1] for key in stats.fallbacks(MODEL)}
+
+
+def steps_through_wiring(model, kwargs, steps, **enable):
+    """Outputs of cached steps 1..steps through a fresh wiring; the wiring is removed after."""
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, **enable)
+    try:
+        return [cached_call(model, at_step(kwargs, s), cache) for s in range(1, steps + 1)]
+    finally:
+        wiring.disable()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("reference_shapes", [(), ((16, 16),)])
+def test_graph_replay_equals_the_eager_static_step(batch, reference_shapes):
+    model = gpu_model()
+    kwargs = request(model, batch=batch, text_tokens=TEXT, reference_shapes=reference_shapes,
+                     target_shape=TARGET)
+    eager = steps_through_wiring(model, kwargs, 3, capture=False)
+    graph = steps_through_wiring(model, kwargs, 3, verify=True)
+    for step, (g, e) in enumerate(zip(graph, eager), start=1):
+        assert torch.equal(g, e), f"step {step}: max abs diff {(g.float() - e.float()).abs().max()}"
+    assert stats.get(MODEL, "capture") == 1 and stats.get(MODEL, "replay") == 3
+    # verify checked the first replay against diffusers' forward and kept the graph (exact or not is
+    # asserted by the next test)
+    assert stats.get(MODEL, "verify_exact") + stats.get(MODEL, "verify_close") == 1
+    assert stats.fallbacks(MODEL) == {}
+
+
+def test_graph_replay_equals_diffusers_cached_forward():
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2, 3)]
+    graph = steps_through_wiring(model, kwargs, 3)
+    for step, (g, e) in enumerate(zip(graph, expected), start=1):
+        assert torch.equal(g, e), f"step {step}: max abs diff {(g.float() - e.float()).abs().max()}"
+
+
+def test_pipeline_with_graphs_equals_pipeline_without():
+    model = gpu_model()
+    pipe = tiny_pipeline(model)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randn(1, 30, model.config.context_in_dim, generator=gen).to("cuda", torch.bfloat16)
+    negative = torch.randn(1, 12, model.config.context_in_dim, generator=gen).to("cuda", torch.bfloat16)
+
+    def run():
+        return pipe(prompt_embeds=prompt, negative_prompt_embeds=negative, true_cfg_scale=4.0,
+                    height=256, width=256, num_inference_steps=6, output_type="latent",
+                    generator=torch.Generator().manual_seed(3)).images
+
+    expected = run()
+    qwen.enable(pipe)
+    assert torch.equal(run(), expected)
+    assert stats.get(MODEL, "replay") == 5 * 2 and stats.fallbacks(MODEL) == {}
+
+
+def _denoise(model, kwargs, cache, step):
+    """One step of a toy sampler: the request's latents move by the model's prediction."""
+    out = cached_call(model, kwargs, cache)
+    nxt = dict(kwargs)
+    nxt["hidden_states"] = kwargs["hidden_states"] - 0.05 * out
+    nxt["timestep"] = torch.full_like(kwargs["timestep"], 0.9 - 0.1 * step)
+    return nxt
+
+
+def test_eight_interleaved_requests_each_equal_their_own_serial_run():
+    model = gpu_model()
+    qwen.enable(model)
+    prompts = [request(model, text_tokens=TEXT, target_shape=TARGET, seed=100 + i) for i in range(8)]
+    steps = 5
+
+    serial = []
+    for kwargs in prompts:  # one request at a time, as a server with --max-num-seqs 1 runs them
+        cache = extract(model, kwargs)
+        for step in range(1, steps + 1):
+            kwargs = _denoise(model, kwargs, cache, step)
+        serial.append(kwargs["hidden_states"])
+        del cache
+
+    states = [(kwargs, extract(model, kwargs)) for kwargs in prompts]
+    for step in range(1, steps + 1):  # every request advances one step per round: all 8 live
+        states = [(_denoise(model, kwargs, cache, step), cache) for kwargs, cache in states]
+    for i, ((kwargs, _), expected) in enumerate(zip(states, serial)):
+        assert torch.equal(kwargs["hidden_states"], expected), f"request {i}"
+    assert stats.fallbacks(MODEL) == {}
+    assert stats.get(MODEL, "replay") == 2 * 8 * steps
+
+
+def test_injected_capture_failure_falls_back_and_equals_diffusers():
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    wiring = qwen.enable(model)
+    step_fn = wiring.graphs.step_fn
+
+    def step_with_host_sync(bufs):
+        out = step_fn(bufs)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()  # a host sync: not allowed while capturing
+        return out
+
+    wiring.graphs.step_fn = step_with_host_sync
+    stream = torch.cuda.current_stream()
+    got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    assert torch.cuda.current_stream() == stream  # not left on the failed capture's stream
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert prefix_graph.CAPTURE_FAILED[0] in reasons()
+    assert stats.get(MODEL, "eager_step") == 2 and stats.get(MODEL, "replay") == 0
+
+
+@pytest.mark.parametrize("where", ["allocating", "capturing"])
+def test_injected_oom_falls_back_and_equals_diffusers(monkeypatch, where):
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    wiring = qwen.enable(model)
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("injected")
+
+    if where == "allocating":
+        monkeypatch.setattr(prefix_graph, "_alloc_like", no_memory)
+    else:
+        step_fn = wiring.graphs.step_fn
+        wiring.graphs.step_fn = lambda bufs: (no_memory() if torch.cuda.is_current_stream_capturing()
+                                              else step_fn(bufs))
+    got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert prefix_graph.OOM[0] in reasons()
+
+
+def test_verify_mismatch_disables_the_graph(monkeypatch):
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    monkeypatch.setattr(prefix_graph, "_compare", lambda out, ref: (False, False, 1.0))
+    qwen.enable(model, verify=True)
+    first = cached_call(model, at_step(kwargs, 1), cache)  # the eager result it was checked against
+    second = cached_call(model, at_step(kwargs, 2), cache)  # diffusers' forward from now on
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    assert prefix_graph.VERIFY_MISMATCH[0] in reasons()
+
+
+def test_device_memory_does_not_grow_over_requests():
+    model = gpu_model()
+    qwen.enable(model)
+
+    def one_request(seed):  # true CFG: two branches, each with its own cache
+        cond = request(model, text_tokens=TEXT, target_shape=TARGET, seed=seed)
+        uncond = request(model, text_tokens=12, target_shape=TARGET, seed=seed + 1000)
+        uncond["hidden_states"] = cond["hidden_states"]
+        caches = [extract(model, cond), extract(model, uncond)]
+        for step in range(1, 5):
+            for kwargs, cache in zip((cond, uncond), caches):
+                cached_call(model, at_step(kwargs, step), cache)
+
+    marks = {}
+    for i in range(1, 21):
+        one_request(i)
+        if i in (5, 20):
+            gc.collect()
+            torch.cuda.synchronize()
+            marks[i] = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    assert stats.get(MODEL, "capture") == 2  # one graph per branch shape, reused by every request
+    assert marks[20][0] <= marks[5][0], marks
+    assert marks[20][1] <= marks[5][1], marks
+
+
+def test_bench_cached_step_runs_and_reports():
+    model = gpu_model()
+    result = qwen.bench_cached_step(model, text_tokens=TEXT, target_shape=TARGET, iters=3, warmup=1)
+    for name in ("eager_ms", "static_ms", "graph_ms", "first_graph_step_ms"):
+        assert result[name] > 0, result
+    assert result["prefix_len"] == TEXT and result["target_tokens"] == TARGET[0] * TARGET[1]
+    assert result["exact"], result
+    assert "forward" not in model.__dict__  # bench leaves the transformer unwired

@@ -1,0 +1,184 @@
+"""prefix_graph, the mechanism under the Qwen-Image-2.1 hook, with a toy step on CPU: ownership,
+pooling, LRU, and the fallbacks that need no GPU to reach."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from vllm_omni_graphdecode import prefix_graph as pg
+from vllm_omni_graphdecode import stats
+
+MODEL = "toy"
+
+
+class Owner:
+    """Stands for a request's KV-cache object: anything weakly referenceable."""
+
+
+def toy_step(bufs: pg.StaticBuffers) -> torch.Tensor:
+    k, v = bufs.prefix[0]
+    return bufs.step["x"] @ k.T + v.sum() + bufs.request["r"]
+
+
+def key(prefix_len=4) -> pg.PrefixKey:
+    return pg.PrefixKey(batch=1, prefix_len=prefix_len, target=(3,), dtype=torch.float32, device="cpu",
+                        backend="native")
+
+
+def inputs(seed, prefix_len=4):
+    g = torch.Generator().manual_seed(seed)
+    prefix = [(torch.randn(prefix_len, 2, generator=g), torch.randn(prefix_len, 2, generator=g))]
+    return prefix, {"r": torch.randn(3, 1, generator=g)}, {"x": torch.randn(3, 2, generator=g)}
+
+
+def graphs(**kw) -> pg.PrefixGraphs:
+    kw.setdefault("max_entries", 4)
+    return pg.PrefixGraphs(MODEL, toy_step, capture=False, **kw)
+
+
+def expected(prefix, request, step):
+    return toy_step(pg.StaticBuffers(prefix=prefix, request=request, step=step))
+
+
+def reasons() -> set[str]:
+    return {k.split(": ", 1)[1] for k in stats.fallbacks(MODEL)}
+
+
+def test_owned_entries_are_not_shared_while_their_owner_lives():
+    g = graphs()
+    a, b = Owner(), Owner()
+    ia, ib = inputs(1), inputs(2)
+    ea, eb = g.bind(a, key(), *ia), g.bind(b, key(), *ib)
+    assert ea is not eb
+    assert torch.equal(g.run(ea, ia[2]), expected(*ia))
+    assert torch.equal(g.run(eb, ib[2]), expected(*ib))
+    assert g.lookup(a) is ea and g.lookup(b) is eb
+
+
+def test_a_dead_owner_frees_its_entry_for_the_same_key():
+    g = graphs()
+    a = Owner()
+    entry = g.bind(a, key(), *inputs(1))
+    del a
+    gc.collect()
+    c = Owner()
+    ic = inputs(3)
+    assert g.bind(c, key(), *ic) is entry
+    assert torch.equal(g.run(entry, ic[2]), expected(*ic))
+    assert g.info()["entries"] == 1
+
+
+def test_other_key_does_not_take_a_free_entry():
+    g = graphs()
+    a = Owner()
+    entry = g.bind(a, key(4), *inputs(1, 4))
+    g.release(a)
+    assert g.bind(Owner(), key(5), *inputs(2, 5)) is not entry
+    assert g.info()["entries"] == 2
+
+
+def test_full_pool_evicts_the_least_recently_used_free_entry():
+    g = graphs(max_entries=2)
+    owners = [Owner(), Owner()]
+    first = g.bind(owners[0], key(4), *inputs(1, 4))
+    second = g.bind(owners[1], key(5), *inputs(2, 5))
+    g.release(owners[0])
+    g.release(owners[1])
+    third = g.bind(Owner(), key(6), *inputs(3, 6))
+    assert third is not first and third is not second
+    assert first.buffers is None and second.buffers is not None  # the older one went
+
+
+def test_full_pool_of_live_entries_refuses_with_its_reason():
+    g = graphs(max_entries=1)
+    a = Owner()
+    g.bind(a, key(), *inputs(1))
+    assert g.bind(Owner(), key(), *inputs(2)) is None
+    assert pg.CAPACITY[0] in reasons()
+
+
+def test_an_owner_that_cannot_be_weakly_referenced_is_refused():
+    g = graphs()
+    assert g.bind(object(), key(), *inputs(1)) is None
+    assert pg.UNTRACKABLE_OWNER[0] in reasons()
+
+
+def test_a_step_of_another_shape_is_refused():
+    g = graphs()
+    a = Owner()
+    entry = g.bind(a, key(), *inputs(1))
+    assert g.run(entry, {"x": torch.zeros(5, 2)}) is None
+    assert pg.STEP_MISMATCH[0] in reasons()
+
+
+def test_release_all_drops_entries_and_owners_rebind():
+    g = graphs()
+    a = Owner()
+    ia = inputs(1)
+    g.bind(a, key(), *ia)
+    g.release_all()
+    assert g.lookup(a) is None and g.info()["entries"] == 0
+    entry = g.bind(a, key(), *ia)
+    assert torch.equal(g.run(entry, ia[2]), expected(*ia))
+
+
+def test_verify_mismatch_disables_the_shape_and_returns_the_eager_result():
+    g = graphs(verify=True)
+    a = Owner()
+    ia = inputs(1)
+    entry = g.bind(a, key(), *ia)
+    eager = expected(*ia)
+    assert g._verify(entry, eager + 1.0, eager) is eager
+    assert pg.VERIFY_MISMATCH[0] in reasons()
+    assert g.run(entry, ia[2]) is None  # the shape now runs eagerly for this process
+
+
+def test_verify_counts_exact_and_close_replays():
+    g = graphs(verify=True)
+    entry = g.bind(Owner(), key(), *inputs(1))
+    ref = torch.ones(4, dtype=torch.bfloat16)
+    g._verify(entry, ref.clone(), ref)
+    g._verify(entry, ref + torch.tensor([0.0078125, 0, 0, 0], dtype=torch.bfloat16), ref)  # one ulp
+    assert stats.get(MODEL, "verify_exact") == 1 and stats.get(MODEL, "verify_close") == 1
+
+
+def test_max_entries_must_be_positive():
+    with pytest.raises(ValueError):
+        graphs(max_entries=0)
+
+
+def test_oom_first_gives_back_idle_entries_and_retries(monkeypatch):
+    g = graphs()
+    a = Owner()
+    g.bind(a, key(4), *inputs(1, 4))
+    g.release(a)  # idle in the pool, holding memory
+    real, calls = pg._alloc_like, []
+
+    def fail_once(t):
+        calls.append(t)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("injected")
+        return real(t)
+
+    monkeypatch.setattr(pg, "_alloc_like", fail_once)
+    b = Owner()
+    ib = inputs(2, 5)
+    entry = g.bind(b, key(5), *ib)
+    assert entry is not None and torch.equal(g.run(entry, ib[2]), expected(*ib))
+    assert g.info()["entries"] == 1 and g.info()["eager_keys"] == 0
+    assert stats.get(MODEL, "oom_evictions") == 1 and stats.fallbacks(MODEL) == {}
+
+
+def test_oom_with_nothing_to_give_back_makes_the_shape_eager(monkeypatch):
+    def no_memory(t):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(pg, "_alloc_like", no_memory)
+    g = graphs()
+    assert g.bind(Owner(), key(), *inputs(1)) is None
+    monkeypatch.undo()
+    assert g.bind(Owner(), key(), *inputs(2)) is None  # eager for the rest of the process
+    assert g.info()["eager_keys"] == 1 and pg.OOM[0] in reasons()

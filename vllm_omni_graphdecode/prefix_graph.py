@@ -1,0 +1,477 @@
+"""Static prefix buffers and one captured cached step per entry, for prefix-KV diffusion models.
+
+Why this exists
+    A prefix-KV diffusion transformer runs its first denoising step over the whole sequence and keeps
+    the prefix's (text, condition images) K/V. Every later step recomputes only the target image's
+    tokens, at a shape fixed for the rest of the request, against prefix K/V that do not change
+    either. That step is one fixed kernel sequence whose inputs change only in value, so a CUDA graph
+    can replay it without the Python and launch cost of ~a dozen kernels per layer. Qwen-Image-2.1 is
+    the model wired today (``hooks/qwen_image_21.py``); this file knows nothing about it.
+
+Numbers
+    Reported upstream (A800, Qwen-Image-2.1 1024x1024, 50 steps, CFG 4) for a change that added
+    graphs together with other attention work: text-to-image 8,863 -> 7,958 ms, two-reference edit
+    14,043 -> 10,380 ms. SGLang found no end-to-end gain from graphs on an RTX 4090. This file claims
+    no timing of its own: ``qwen_image_21.bench_cached_step`` measures eager vs replay at real shape.
+
+    Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
+    bytes (Qwen-Image-2.1 bf16, batch 1: prefix 256 -> 134 MB; two-reference edit, prefix 8,448 ->
+    4.4 GB), plus the graph's share of the global graph pool. While an entry is live the request's
+    cache is re-pointed at these buffers, so that costs nothing extra; a free entry keeps them until
+    it is reused or evicted (at most ``max_entries`` entries in all).
+
+Workflow (``PrefixGraphs``)
+    1. ``bind(owner, key, prefix, request, step)``: the owner (the request's own KV-cache object,
+       held by weak reference) gets an entry: a free one with the same key and buffer shapes, or a
+       new one while fewer than ``max_entries`` exist (else the least recently used free one is
+       evicted). The prefix K/V and per-request tensors are copied in once.
+    2. ``run(entry, step)``: the per-step tensors are copied in; on the entry's first run the step
+       is warmed up on a side stream and captured into vLLM's global graph pool; the graph replays
+       and a clone of its output is returned. In verify mode a new graph's first replay is checked
+       against the caller's eager step; a mismatch makes that shape eager for the process.
+    3. Whatever the graph cannot do (capacity, OOM, capture failure, verify mismatch) returns None
+       with its reason counted in ``stats``; the caller then runs its own eager step.
+
+Request safety
+    The first upstream version kept one entry per key and re-pointed every caller's cache at it, so a
+    second in-flight request with the same key overwrote the first one's prefix. Here an entry
+    belongs to one owner for as long as that object lives; only then (or on ``release``) does it
+    return to the pool for the next request with the same key. Each branch of a request (cond, and
+    uncond under true CFG) has its own cache object, so it has its own prefix buffers and its own
+    graph. The key has no branch field for that reason: ownership separates live branches, and a
+    finished branch's graph is valid for any later one of equal shape.
+
+Not covered here: eligibility (the hook decides which steps reach ``run``), padded or bucketed
+shapes (one entry per exact shape), and multi-GPU (an entry lives on one device).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import stats
+
+Tensor = torch.Tensor
+
+# Reasons counted in stats, one per kind of fallback: (reason, what to change).
+CAPACITY = ("every prefix-graph entry is held by a live request",
+            "raise VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (2 per concurrent request under true CFG)")
+OOM = ("out of device memory allocating a prefix-graph entry or capturing its graph",
+       "lower VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES or leave more free memory (gpu_memory_utilization)")
+CAPTURE_FAILED = ("CUDA graph capture of the cached step failed",
+                  "report this with the logged error; the shape runs eagerly for this process")
+VERIFY_MISMATCH = ("graph replay differed from the eager cached step (verify mode)",
+                   "report this with the logged difference; the shape runs eagerly for this process")
+UNTRACKABLE_OWNER = ("the request's cache object cannot be weakly referenced, so its prefix buffers "
+                     "could not be kept from other requests", "report this (the cache type changed)")
+STEP_MISMATCH = ("a step's inputs changed shape or dtype within one request",
+                 "report this: the hook's key missed a shape")
+ENTRY_DROPPED = ("the request's prefix-graph entry was released while the request still used it",
+                 "report this; the request goes on eagerly")
+
+# Tolerance of verify mode. The replay runs the very kernels of the eager step on the same inputs, so
+# equality is expected and counted (``verify_exact``); this only keeps an ulp-level difference from a
+# kernel that picks its algorithm per stream from disabling a correct graph (``verify_close``).
+_VERIFY_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixKey:
+    """What fixes a cached step's kernel sequence. The hook fills it; equal keys with equal buffer
+    shapes may share a captured graph (one request at a time)."""
+
+    batch: int
+    prefix_len: int
+    target: tuple[int, ...]  # the model's target layout, e.g. (image tokens in, target tokens)
+    dtype: torch.dtype
+    device: str
+    backend: str  # the attention backend the step dispatches to
+
+    def __str__(self) -> str:
+        target = "x".join(str(t) for t in self.target)
+        return (f"batch={self.batch} prefix={self.prefix_len} target={target} "
+                f"{str(self.dtype).replace('torch.', '')} {self.device} attn={self.backend}")
+
+
+@dataclasses.dataclass(eq=False)
+class StaticBuffers:
+    """Everything a cached step reads that changes between steps or requests.
+
+    A graph replays against these exact addresses: they are only ever written in place (``copy_``),
+    never rebound.
+    """
+
+    prefix: list[tuple[Tensor, Tensor]]  # per layer (k, v): copied once per request
+    request: dict[str, Tensor]  # per-request inputs (e.g. rotary rows): copied once per request
+    step: dict[str, Tensor]  # per-step inputs (e.g. latents, timestep): copied every step
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    key: PrefixKey
+    sig: tuple  # shape, dtype and device of every buffer
+    buffers: StaticBuffers | None
+    owner: weakref.ref | None = None
+    owner_id: int | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph once captured
+    output: Tensor | None = None  # the graph's output buffer; the next replay overwrites it
+    meta: dict = dataclasses.field(default_factory=dict)  # the hook's notes on the current binding
+
+    def live(self) -> bool:
+        return self.owner is not None and self.owner() is not None
+
+
+def _alloc_like(t: Tensor) -> Tensor:
+    """One static buffer (a seam for tests that inject an OOM)."""
+    # A buffer made under inference_mode could not be written outside it, and a later request may
+    # run under plain no_grad: make a normal tensor, which either mode may copy into.
+    with torch.inference_mode(False):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _signature(prefix, request, step) -> tuple:
+    def sig(t: Tensor) -> tuple:
+        return (tuple(t.shape), t.dtype, str(t.device))
+
+    return (tuple((sig(k), sig(v)) for k, v in prefix),
+            tuple((name, sig(t)) for name, t in sorted(request.items())),
+            tuple((name, sig(t)) for name, t in sorted(step.items())))
+
+
+_fallback_pool = None
+
+
+def graph_pool():
+    """vLLM's global graph pool (shared with vLLM's own graphs); a private one without vLLM."""
+    global _fallback_pool
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # bare diffusers use without vLLM installed
+        if _fallback_pool is None:
+            _fallback_pool = torch.cuda.graph_pool_handle()
+        return _fallback_pool
+    return current_platform.get_global_graph_pool()
+
+
+def _end_failed_capture(device: torch.device, pool, stream) -> None:
+    """Undo what a capture that failed inside ``capture_end`` leaves behind, best effort.
+
+    ``torch.cuda.graph.__exit__`` calls ``capture_end`` before leaving its stream context, and
+    ``capture_end`` raises before telling the caching allocator the capture is over. So (1) this
+    thread's current stream is still the capture stream, and later eager work would run there,
+    unordered with the rest; (2) the pool stays registered as capturing, and every free of a block
+    used on a second stream is deferred until no capture is underway: forever, a slow leak.
+    When ``capture_end`` got far enough to end the pool itself, or the failure came before capture
+    began, torch reports there is nothing to end: that is the fine case.
+    """
+    if stream is not None and torch.cuda.current_stream(device) != stream:
+        torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is None or end is None:
+        return
+    try:
+        end(device.index, pool)
+    except RuntimeError:
+        pass
+
+
+def _compare(out: Tensor, ref: Tensor) -> tuple[bool, bool, float]:
+    """(acceptable, exact, max abs difference) of a replay against the eager step."""
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return False, False, float("inf")
+    if torch.equal(out, ref):
+        return True, True, 0.0
+    diff = (out.float() - ref.float()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    if diff.isnan().any():
+        return False, False, float("nan")
+    scale = max(1.0, float(ref.float().abs().max()))
+    return worst <= _VERIFY_TOL.get(ref.dtype, 1e-4) * scale, False, worst
+
+
+class PrefixGraphs:
+    """Pooled static-buffer entries, each with one captured cached step. See the module docstring.
+
+    ``step_fn(buffers) -> Tensor`` is the cached step. It must read only ``buffers`` and the model's
+    weights, must not synchronize with the host, and must not branch in Python on tensor values:
+    whatever Python decides during capture (shapes, layer count, which kernel) is frozen into the
+    graph, so the key has to cover it.
+
+    ``capture=False`` runs the same static-buffer step eagerly (CPU tests, and the benchmark's
+    static baseline); everything else, ownership and pooling included, is unchanged.
+    """
+
+    def __init__(self, model: str, step_fn: Callable[[StaticBuffers], Tensor], *, max_entries: int,
+                 verify: bool = False, capture: bool = True):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.model = model
+        self.step_fn = step_fn
+        self.max_entries = max_entries
+        self.verify = verify
+        self.capture = capture
+        self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
+        self._by_owner: dict[int, Entry] = {}
+        self._eager: dict[tuple, tuple[str, str]] = {}  # (key, sig) -> reason, for this process
+        self._lock = threading.RLock()
+        self._side_streams: dict[str, Any] = {}
+
+    # -- owners and entries -------------------------------------------------------------------
+
+    def lookup(self, owner: object) -> Entry | None:
+        """The entry bound to this live owner, or None."""
+        entry = self._by_owner.get(id(owner))
+        if entry is None:
+            return None
+        if entry.owner is None or entry.owner() is not owner:  # a dead owner whose id was reused
+            with self._lock:
+                if self._by_owner.get(id(owner)) is entry:
+                    del self._by_owner[id(owner)]
+            return None
+        return entry
+
+    def bind(self, owner: object, key: PrefixKey, prefix: list[tuple[Tensor, Tensor]],
+             request: dict[str, Tensor], step: dict[str, Tensor]) -> Entry | None:
+        """Give ``owner`` an entry holding copies of ``prefix`` and ``request``; None if it cannot.
+
+        ``step`` is only read for shapes here. The caller may re-point the owner's cache at
+        ``entry.buffers.prefix`` afterwards: those buffers stay the owner's while it lives.
+        """
+        sig = _signature(prefix, request, step)
+        with self._lock:
+            previous = self.lookup(owner)
+            if previous is not None:
+                # The owner may still read that entry's buffers (its cache points there), so the
+                # entry must not go back to the pool, where another request would overwrite them:
+                # drop it; the owner's own references keep the memory until it lets go. A caller
+                # that knows the owner reads them no more calls release() first, which pools it.
+                self._drop(previous)
+            reason = self._eager.get((key, sig))
+            if reason is not None:
+                self._drop_free_of(key, sig)
+                self._fallback(reason, key)
+                return None
+            try:
+                ref = weakref.ref(owner)
+            except TypeError:
+                self._fallback(UNTRACKABLE_OWNER, key, type(owner).__name__)
+                return None
+            entry = self._take_free(key, sig)
+            if entry is None:
+                entry = self._new_entry(key, sig, prefix, request, step)
+                if entry is None:
+                    return None
+            bufs = entry.buffers
+            # Copied on the caller's stream, so the copy is ordered before the next replay; the
+            # source tensors may be freed by the caller right after (re-pointing drops them).
+            for (bk, bv), (k, v) in zip(bufs.prefix, prefix):
+                bk.copy_(k)
+                bv.copy_(v)
+            for name, t in request.items():
+                bufs.request[name].copy_(t)
+            entry.owner, entry.owner_id, entry.meta = ref, id(owner), {}
+            self._by_owner[id(owner)] = entry
+            self._entries.move_to_end(id(entry))
+            return entry
+
+    def release(self, owner: object) -> None:
+        """Return ``owner``'s entry to the pool now instead of when the owner is collected.
+
+        Only once the owner reads its prefix no more: a cache still pointing at the released buffers
+        would see the next request's prefix.
+        """
+        with self._lock:
+            entry = self._by_owner.pop(id(owner), None)
+            if entry is not None and entry.owner is not None and entry.owner() is owner:
+                entry.owner, entry.owner_id = None, None
+
+    def release_all(self) -> None:
+        """Drop every entry and graph (sleep, unload). Live owners keep their prefix through their own
+        cache's references; their next step binds a fresh entry."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._drop(entry)
+            self._by_owner.clear()
+
+    def info(self) -> dict[str, int]:
+        with self._lock:
+            entries = list(self._entries.values())
+        return {"entries": len(entries), "live": sum(e.live() for e in entries),
+                "captured": sum(e.graph is not None for e in entries), "eager_keys": len(self._eager)}
+
+    def _take_free(self, key: PrefixKey, sig: tuple) -> Entry | None:
+        for entry in reversed(self._entries.values()):  # most recently used first
+            if entry.key == key and entry.sig == sig and not entry.live():
+                self._forget_owner(entry)
+                return entry
+        return None
+
+    def _new_entry(self, key, sig, prefix, request, step) -> Entry | None:
+        if len(self._entries) >= self.max_entries and not self._evict_one_free():
+            self._fallback(CAPACITY, key, f"max_entries={self.max_entries}")
+            return None
+        def allocate() -> StaticBuffers:
+            return StaticBuffers(
+                prefix=[(_alloc_like(k), _alloc_like(v)) for k, v in prefix],
+                request={name: _alloc_like(t) for name, t in request.items()},
+                step={name: _alloc_like(t) for name, t in step.items()},
+            )
+
+        try:
+            buffers = allocate()
+        except torch.OutOfMemoryError as exc:
+            # The partial allocation is already unreferenced. Idle pooled entries may be what holds
+            # the memory: give them back and try once more. If that fails too, stop trying this
+            # shape: retrying every step would thrash the allocator at the edge.
+            buffers = None
+            if self._evict_free():
+                stats.count(self.model, "oom_evictions")
+                try:
+                    buffers = allocate()
+                except torch.OutOfMemoryError as again:
+                    exc = again
+            if buffers is None:
+                self._mark_eager(key, sig, OOM, repr(exc))
+                return None
+        entry = Entry(key=key, sig=sig, buffers=buffers)
+        self._entries[id(entry)] = entry
+        return entry
+
+    def _evict_one_free(self) -> bool:
+        for entry in self._entries.values():  # least recently used first
+            if not entry.live():
+                self._drop(entry)
+                return True
+        return False
+
+    def _evict_free(self) -> int:
+        free = [e for e in self._entries.values() if not e.live()]
+        for entry in free:
+            self._drop(entry)
+        return len(free)
+
+    def _forget_owner(self, entry: Entry) -> None:
+        if entry.owner_id is not None and self._by_owner.get(entry.owner_id) is entry:
+            del self._by_owner[entry.owner_id]
+        entry.owner, entry.owner_id = None, None
+
+    def _drop(self, entry: Entry) -> None:
+        self._forget_owner(entry)
+        self._entries.pop(id(entry), None)
+        entry.graph = entry.output = entry.buffers = None
+
+    def _mark_eager(self, key: PrefixKey, sig: tuple, reason: tuple[str, str], detail: str) -> None:
+        self._eager[(key, sig)] = reason
+        self._drop_free_of(key, sig)
+        self._fallback(reason, key, detail)
+
+    def _drop_free_of(self, key: PrefixKey, sig: tuple) -> None:
+        # Entries of a shape that runs eagerly never replay again; a live one is dropped by the
+        # first bind after its owner is gone.
+        for entry in [e for e in self._entries.values() if (e.key, e.sig) == (key, sig) and not e.live()]:
+            self._drop(entry)
+
+    def _fallback(self, reason: tuple[str, str], key: PrefixKey, detail: str = "") -> None:
+        stats.fallback(self.model, reason[0], reason[1], f"{key}; {detail}" if detail else str(key))
+
+    # -- running a step -----------------------------------------------------------------------
+
+    def run(self, entry: Entry, step: dict[str, Tensor],
+            eager: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """One cached step for ``entry``'s owner; None when the caller must run its eager step.
+
+        ``eager``, when given, computes the caller's own eager result of this step: verify mode
+        checks a new graph's first replay against it (else against the warm-up of ``step_fn``).
+        """
+        reason = self._eager.get((entry.key, entry.sig))
+        if reason is None and entry.buffers is None:
+            reason = ENTRY_DROPPED
+        if reason is not None:
+            self._fallback(reason, entry.key)
+            return None
+        bufs = entry.buffers.step
+        for name, t in step.items():
+            buf = bufs.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                self._fallback(STEP_MISMATCH, entry.key, name)
+                return None
+            # The graph reads this address, not the caller's tensor: copy in, never rebind.
+            buf.copy_(t)
+        if not self.capture:
+            stats.count(self.model, "static_step")
+            return self.step_fn(entry.buffers)
+        fresh = entry.graph is None
+        if fresh:
+            warm = self._capture(entry)
+            if warm is None:
+                return None
+        entry.graph.replay()
+        stats.count(self.model, "replay")
+        # The next replay of this entry overwrites its output buffer in place.
+        out = entry.output.clone()
+        if fresh and self.verify:
+            out = self._verify(entry, out, eager() if eager is not None else warm)
+        return out
+
+    def _capture(self, entry: Entry) -> Tensor | None:
+        """Warm up and capture ``entry``'s step; the warm-up's output, or None (reason counted)."""
+        device = torch.device(entry.key.device)
+        with self._lock:
+            pool = current = None
+            try:
+                if device.index is None:
+                    device = torch.device(device.type, torch.cuda.current_device())
+                side = self._side_streams.get(str(device))
+                if side is None:
+                    side = self._side_streams[str(device)] = torch.cuda.Stream(device=device)
+                current = torch.cuda.current_stream(device)
+                # Warm up outside the capture: lazy initialisation (cuBLAS handles and workspaces,
+                # autotuning, first-call allocations) must not happen while capturing. The warm-up
+                # output is the eager step on these very inputs: verify's fallback reference.
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    reference = self.step_fn(entry.buffers)
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                pool = graph_pool()
+                # One pool for every graph, vLLM's included: replays are serialized on one stream, so
+                # intermediates of different graphs may share memory, and memory does not grow with
+                # each capture. Entering synchronizes the device, so the side stream's reference is
+                # complete before anything else reads it. thread_local: other threads' CUDA calls
+                # neither join this capture nor invalidate it.
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    output = self.step_fn(entry.buffers)
+            except torch.OutOfMemoryError as exc:
+                _end_failed_capture(device, pool, current)
+                self._evict_free()
+                self._mark_eager(entry.key, entry.sig, OOM, repr(exc))
+                return None
+            except Exception as exc:  # any capture error: this shape stays eager, the step goes on
+                _end_failed_capture(device, pool, current)
+                self._mark_eager(entry.key, entry.sig, CAPTURE_FAILED, repr(exc))
+                stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
+                return None
+            entry.graph, entry.output = graph, output
+            stats.count(self.model, "capture")
+            return reference
+
+    def _verify(self, entry: Entry, out: Tensor, reference: Tensor) -> Tensor:
+        ok, exact, worst = _compare(out, reference)
+        if exact:
+            stats.count(self.model, "verify_exact")
+            return out
+        if ok:
+            stats.count(self.model, "verify_close")
+            stats.logger.info("graphdecode: %s graph replay within tolerance of the eager step "
+                              "(max abs diff %.3g) for %s", self.model, worst, entry.key)
+            return out
+        # Disable every graph of this shape; this step returns the eager result it was checked against.
+        entry.graph = entry.output = None
+        self._mark_eager(entry.key, entry.sig, VERIFY_MISMATCH, f"max abs diff {worst:.3g}")
+        return reference
