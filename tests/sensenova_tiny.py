@@ -1,0 +1,301 @@
+"""A tiny, real SenseNova-U1 language model and pipeline for tests, built without a checkpoint.
+
+Everything here is vllm-omni's own code (``SenseNovaU1ForCausalLM``, ``SenseNovaU1Pipeline``'s
+think/text loops) at toy sizes, with a tokenizer built locally: no downloads, and nothing this
+plugin patches is replaced by a stand-in.
+
+On CPU the model needs five adjustments, none of which touches the code the plugin patches: a
+vllm config that names the device (the unspecified platform cannot infer one), a world-size-1
+vllm process group (gloo), an SDPA diffusion attention backend for the CPU platform (it has
+none), SDPA's CUDA forward used as its forward (it is plain torch), and the Triton fused
+qk-norm+rope kernel hidden so the model takes its PyTorch fallback (``production_rope()``
+un-hides it for CUDA models when CPU tests ran first in the same process).
+
+The pipeline object is made with ``object.__new__`` and ``nn.Module.__init__``: its real
+``__init__`` resolves a checkpoint directory. The think/text loops only read ``language_model``,
+``tokenizer`` and ``device`` from it, and the plugin's eligibility rules read ``od_config``.
+
+Works for vllm-omni 0.28 (run from a subprocess with its tree first on ``sys.path``) and 0.30 on
+CPU, and for 0.26 on a CUDA host (``device="cuda"``, where the real CUDA platform is used as is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+_FUSED_ROPE = "vllm_omni.diffusion.models.sensenova_u1.fused_rmsnorm_rope"
+SDPA_BACKEND = "vllm_omni.diffusion.attention.backends.sdpa.SDPABackend"
+
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<img>", "</img>",
+                  "<IMG_CONTEXT>", "\n\n"]
+# The think loop ends on these; the tests keep the model from choosing them (see build_lm).
+STOP_TOKENS = ("<|im_end|>", "</think>")
+
+_lock = threading.Lock()
+_runtime: dict = {}
+
+
+def setup_runtime(device: str = "cpu") -> None:
+    """Make vllm/vllm-omni able to build and run the model on ``device`` in this process.
+    Idempotent per device; one world-size-1 process group serves both."""
+    with _lock:
+        if device in _runtime:
+            return
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed import parallel_state as ps
+
+        # Without a GPU vllm's platform is "unspecified" and cannot infer a device: name it.
+        vllm_config = VllmConfig(device_config=DeviceConfig(device=device))
+        ctx = set_current_vllm_config(vllm_config)
+        ctx.__enter__()  # stays entered: vllm layers read the current config when they are built
+        _runtime[device] = ctx
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        if not ps.model_parallel_is_initialized():
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            ps.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0,
+                backend="nccl" if device == "cuda" else "gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port}")
+            ps.ensure_model_parallel_initialized(1, 1)
+        if device == "cpu":
+            _cpu_attention()
+            # The Triton kernel cannot run without a GPU; the module falls back to PyTorch.
+            sys.modules[_FUSED_ROPE] = None
+
+
+@contextlib.contextmanager
+def production_rope():
+    """Let CUDA models use the Triton fused qk-norm+rope kernel even if a CPU model hid it."""
+    hidden = _FUSED_ROPE in sys.modules and sys.modules[_FUSED_ROPE] is None
+    if hidden:
+        del sys.modules[_FUSED_ROPE]
+    try:
+        yield
+    finally:
+        if hidden:
+            sys.modules[_FUSED_ROPE] = None
+
+
+def _cpu_attention() -> None:
+    from vllm_omni.diffusion.attention.backends.sdpa import SDPAImpl
+    from vllm_omni.platforms import current_omni_platform
+
+    platform_cls = type(current_omni_platform)
+
+    def get_diffusion_attn_backend_cls(cls, *args, **kwargs):
+        return SDPA_BACKEND
+
+    platform_cls.get_diffusion_attn_backend_cls = classmethod(get_diffusion_attn_backend_cls)
+    SDPAImpl.forward = SDPAImpl.forward_cuda
+
+
+def llm_config(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=96,
+               intermediate=128):
+    return SimpleNamespace(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        hidden_act="silu", rms_norm_eps=1e-6, vocab_size=vocab, rope_theta=1000000.0,
+        rope_theta_hw=10000.0, max_position_embeddings=4096, max_position_embeddings_hw=1000,
+        attention_bias=True, layer_types=["full_attention"] * num_layers,
+        tie_word_embeddings=False,
+    )
+
+
+def transformer_module():
+    from vllm_omni.diffusion.models.sensenova_u1 import sensenova_u1_transformer
+
+    return sensenova_u1_transformer
+
+
+def pipeline_module():
+    from vllm_omni.diffusion.models.sensenova_u1 import pipeline_sensenova_u1
+
+    return pipeline_sensenova_u1
+
+
+def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_ids=()):
+    """A real ``SenseNovaU1ForCausalLM`` with random weights.
+
+    ``banned_ids``: vocabulary rows of ``lm_head`` set to zero, so those tokens get logit 0 while
+    the best of the others is almost surely positive: the loops then run to their step limit
+    instead of stopping early at an end token.
+    """
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    setup_runtime(device)
+    T = transformer_module()
+    config = config or llm_config()
+    torch.manual_seed(seed)
+    with set_default_torch_dtype(dtype), torch.device(device):
+        lm = T.SenseNovaU1ForCausalLM(config, prefix="language_model")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        for i in banned_ids:
+            lm.lm_head.weight[i].zero_()
+    for module in lm.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return lm.eval()
+
+
+def build_tokenizer(vocab_size=96):
+    """A WordLevel tokenizer with SenseNova's special tokens, built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS) - 1)]
+    vocab = {"[UNK]": 0}
+    for tok in SPECIAL_TOKENS + words:
+        vocab[tok] = len(vocab)
+    assert len(vocab) <= vocab_size
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    return fast
+
+
+def stop_ids(tokenizer):
+    return [tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS]
+
+
+def default_od_config(**overrides):
+    """The ``OmniDiffusionConfig`` fields the plugin reads, at their defaults."""
+    values = dict(enable_cpu_offload=False, enable_layerwise_offload=False,
+                  enable_distributed_layerwise_offload=False, diffusion_kv_cache_dtype=None,
+                  parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def build_pipeline(lm, tokenizer, *, device="cpu", od_config=None, cls=None):
+    """A ``SenseNovaU1Pipeline`` holding ``lm`` and ``tokenizer``, without its checkpoint load."""
+    cls = cls or pipeline_module().SenseNovaU1Pipeline
+    pipe = object.__new__(cls)
+    nn.Module.__init__(pipe)
+    pipe.language_model = lm
+    pipe.tokenizer = tokenizer
+    pipe.device = torch.device(device)
+    pipe.od_config = od_config or default_od_config()
+    return pipe
+
+
+def prompt_ids(tokenizer, n, seed=1, device="cpu"):
+    """``n`` ordinary word tokens (no special tokens), as a [1, n] tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    words = [f"w{int(i)}" for i in torch.randint(0, 40, (n,), generator=gen)]
+    ids = tokenizer(" ".join(words), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    return ids.to(device)
+
+
+def prefill(pipe, input_ids):
+    """The prefill the pipeline runs before a think/text loop (``_forward_t2i``, ``_forward_text``).
+
+    Returns (outputs, past_key_values, t_idx).
+    """
+    T = transformer_module()
+    t = torch.arange(input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+    indexes = torch.stack([t, torch.zeros_like(t), torch.zeros_like(t)], dim=0)
+    mask = {"full_attention": T.create_block_causal_mask(indexes[0])}
+    with torch.inference_mode():
+        out = pipe.language_model(input_ids=input_ids, indexes=indexes, attention_mask=mask,
+                                  use_cache=True)
+    return out, out.past_key_values, int(indexes[0].max().item())
+
+
+def run_think(pipe, input_ids, max_think_tokens):
+    """Prefill + ``_generate_think``; returns (cache, t_idx, think_text)."""
+    out, cache, t_idx = prefill(pipe, input_ids)
+    with torch.inference_mode():
+        return pipe._generate_think(out, cache, t_idx, max_think_tokens=max_think_tokens)
+
+
+def run_text(pipe, input_ids, max_tokens):
+    """Prefill + ``_generate_text``; returns the decoded text."""
+    out, cache, t_idx = prefill(pipe, input_ids)
+    with torch.inference_mode():
+        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=max_tokens)
+
+
+def record_ar_steps(pipe) -> list:
+    """Observe every ``_ar_step`` the loops make on ``pipe``: returns a list that fills with the
+    last-position logits (float32 copies) of each step.
+
+    Wraps whatever ``_ar_step`` the instance has now (the plugin's, when wired), from outside: the
+    plugin's code runs unchanged underneath. Copies are taken at once because a graph replay
+    reuses its output buffer.
+    """
+    inner = pipe._ar_step
+    seen: list[torch.Tensor] = []
+
+    def _ar_step(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        seen.append(out.logits[:, -1].detach().float().clone())
+        return out
+
+    pipe._ar_step = _ar_step
+    return seen
+
+
+def omni_version() -> str:
+    import vllm_omni
+
+    return vllm_omni.__version__
+
+
+def add_lora_wrappers(lm, rank=8):
+    """Wrap every layer's ``o_proj`` the way vllm-omni's diffusion LoRA manager does
+    (``from_layer_diffusion``), with no adapter bound yet. Returns the wrappers."""
+    from vllm_omni.diffusion.lora.utils import from_layer_diffusion
+
+    try:  # vllm-omni 0.26 has its own LoRAConfig; 0.28+ use vllm's
+        from vllm_omni.config.lora import LoRAConfig
+    except ImportError:
+        from vllm.config.lora import LoRAConfig
+
+    dtype = next(lm.parameters()).dtype
+    lora_config = LoRAConfig(max_lora_rank=rank, max_loras=1, max_cpu_loras=1, lora_dtype=dtype,
+                             fully_sharded_loras=False)
+    wrappers = []
+    for layer in lm.model.layers:
+        attn = layer.self_attn
+        wrapper = from_layer_diffusion(layer=attn.o_proj, max_loras=1, lora_config=lora_config,
+                                       packed_modules_list=[], model_config=None)
+        assert wrapper is not attn.o_proj, "o_proj was not wrapped"
+        attn.o_proj = wrapper
+        wrappers.append(wrapper)
+    return wrappers
+
+
+def bind_adapter(wrappers, seed=5, scale=0.5):
+    """Bind a random rank-r adapter in slot 0 of every wrapper (what activating an adapter does)."""
+    gen = torch.Generator().manual_seed(seed)
+    for w in wrappers:
+        a = w.lora_a_stacked[0]
+        b = w.lora_b_stacked[0]
+        rank, n_in, n_out = a.shape[2], a.shape[3], b.shape[2]
+        lora_a = (torch.randn(rank, n_in, generator=gen) * scale).to(a.dtype).to(a.device)
+        lora_b = (torch.randn(n_out, rank, generator=gen) * scale).to(b.dtype).to(b.device)
+        w.set_lora(0, lora_a, lora_b)
+
+
+def unbind_adapter(wrappers):
+    for w in wrappers:
+        w.reset_lora(0)

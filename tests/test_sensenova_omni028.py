@@ -1,0 +1,190 @@
+"""The backport patches applied to vllm-omni 0.28.0's real SenseNova-U1 code, on CPU.
+
+vllm-omni 0.28.0's source is unpacked beside the test venv (``$VENV/omni-0.28.0``, by
+``scripts/setup_env.sh``), not installed. This test runs this same file as a child process with
+that tree first on ``sys.path``, so ``vllm_omni`` there is 0.28's, on the venv's vllm 0.30 (its
+SenseNova-U1 modules import and run there; vllm-omni only warns about the version pair). The
+child builds the tiny model from 0.28's classes and reports JSON; the test asserts on it.
+
+0.24 and 0.26 carry the same SenseNova-U1 code as 0.28 (compared as syntax trees, FACTS §1);
+0.26 itself is exercised on the GPU host (test_sensenova_gpu.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+OMNI_028 = Path(sys.prefix) / "omni-0.28.0"
+
+
+@pytest.fixture(scope="module")
+def report():
+    if not (OMNI_028 / "vllm_omni").is_dir():
+        pytest.skip(f"vllm-omni 0.28.0 source not found at {OMNI_028} (scripts/setup_env.sh "
+                    f"unpacks it)")
+    env = dict(os.environ, PYTHONPATH="", VLLM_OMNI_GRAPHDECODE="0")
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "--child", str(OMNI_028)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+def test_child_imported_vllm_omni_028_sources(report):
+    assert report["omni_version"] == "0.28.0"
+    assert "omni-0.28.0" in report["pipeline_file"]
+
+
+def test_028_layout_is_the_backport_and_single_token_mask_is_zeros_not_none(report):
+    assert report["layout"] == "backport"
+    # Why the paged branch is keyed on the plugin's own keyword: 0.28 hands attention an
+    # all-zeros mask for one query token, never None.
+    assert report["decode_mask"] == "zeros"
+
+
+def test_028_paged_think_matches_eager_across_bucket_and_tail(report):
+    r = report["think"]
+    assert r["same_text"] and r["same_t_idx"] and r["steps"] == 70
+    assert r["max_logit_diff"] < 1e-4 and r["max_cache_diff"] < 1e-5
+    assert r["capacity"] == 96 and r["paged_requests"] == 1 and r["fallbacks"] == {}
+
+
+def test_028_paged_text_matches_eager(report):
+    assert report["text"]["same"] and report["text"]["paged_steps"] == 70
+
+
+def test_028_sleep_level_2_clear_releases_through_graph_runners(report):
+    r = report["sleep"]
+    assert r["runner_has_release_method"] is False
+    assert r["worker_sleep_clears_graph_runners"] is True
+    assert r["released"] and r["after_release_matches_eager"]
+
+
+def test_028_moved_signature_is_refused_untouched(report):
+    r = report["refused"]
+    assert "_ar_step signature moved" in r["message"] and r["untouched"]
+
+
+# ---------------------------------------------------------------------------------- the child
+
+def _method_source(path: Path, cls: str, name: str) -> str:
+    """A method's source read from the file: 0.28's worker module itself does not import on
+    vllm 0.30 (it needs ``vllm.inputs.preprocess``), and only its text is needed here."""
+    import ast
+
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return ast.get_source_segment(text, item) or ""
+    return ""
+
+
+def _child(omni_path: str) -> dict:
+    sys.path[:0] = [omni_path, str(REPO), str(HERE)]
+    import torch
+
+    import sensenova_tiny as st
+    from vllm_omni_graphdecode import config, kernels, stats
+    from vllm_omni_graphdecode.hooks import HookRefused
+    from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                        "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
+                        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "32"})
+    tok = st.build_tokenizer()
+    lm = st.build_lm(banned_ids=st.stop_ids(tok))
+    ids = st.prompt_ids(tok, 20)
+    out = {"omni_version": st.omni_version(), "pipeline_file": st.pipeline_module().__file__}
+
+    def paged(runner=None):
+        pipe = st.build_pipeline(lm, tok)
+        hook.install(pipe, cfg, runner, kernel=kernels.REFERENCE, graphs=False)
+        return pipe
+
+    eager = st.build_pipeline(lm, tok)
+    out["layout"] = hook.detect_layout(lm, type(eager)).name
+
+    masks = []
+    attn = lm.model.layers[0].self_attn
+    handle = attn.register_forward_pre_hook(
+        lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
+    _, cache, t_idx = st.prefill(eager, ids)
+    with torch.inference_mode():
+        eager._ar_step(torch.tensor([5]), t_idx, cache)
+    handle.remove()
+    mask = masks[-1]
+    out["decode_mask"] = ("none" if mask is None else
+                          "zeros" if not bool(mask.abs().sum()) else "nonzero")
+
+    e_logits = st.record_ar_steps(eager)
+    want = st.run_think(eager, ids, 70)
+    stats.reset()
+    pipe = paged()
+    p_logits = st.record_ar_steps(pipe)
+    got = st.run_think(pipe, ids, 70)
+    out["think"] = {
+        "same_text": got[2] == want[2], "same_t_idx": got[1] == want[1], "steps": len(p_logits),
+        "max_logit_diff": max((a - b).abs().max().item() for a, b in zip(p_logits, e_logits)),
+        "max_cache_diff": max(max((a.keys - b.keys).abs().max().item(),
+                                  (a.values - b.values).abs().max().item())
+                              for a, b in zip(got[0].layers, want[0].layers)),
+        "capacity": getattr(pipe, hook._STATE_ATTR).decoder.cache.capacity,
+        "paged_requests": stats.get(hook.MODEL, "paged_request"),
+        "fallbacks": stats.fallbacks(hook.MODEL),
+    }
+
+    stats.reset()
+    out["text"] = {"same": st.run_text(paged(), ids, 70) == st.run_text(eager, ids, 70),
+                   "paged_steps": stats.get(hook.MODEL, "paged_eager_step")}
+
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+
+    runner = object.__new__(DiffusionModelRunner)
+    pipe = paged(runner)
+    st.run_think(pipe, ids, 40)
+    state = getattr(pipe, hook._STATE_ATTR)
+    had = state.decoder is not None and state.decoder.nbytes > 0
+    if hasattr(runner, "graph_runners"):  # DiffusionWorker.sleep(level=2), verbatim
+        runner.graph_runners.clear()
+    released = had and state.decoder is None
+    again = st.run_think(pipe, ids, 40)
+    ref = st.run_think(eager, ids, 40)
+    out["sleep"] = {
+        "runner_has_release_method": hasattr(DiffusionModelRunner, "release_captured_graphs"),
+        "worker_sleep_clears_graph_runners": "model_runner.graph_runners.clear()" in
+            _method_source(Path(omni_path) / "vllm_omni/diffusion/worker/diffusion_worker.py",
+                           "DiffusionWorker", "sleep"),
+        "released": released,
+        "after_release_matches_eager": again[2] == ref[2] and again[1] == ref[1],
+    }
+    base = st.pipeline_module().SenseNovaU1Pipeline
+
+    class Moved(base):
+        def _ar_step(self, token, position, cache):
+            return base._ar_step(self, token, position, cache)
+
+    fresh = st.build_lm(banned_ids=st.stop_ids(tok))
+    pipe = st.build_pipeline(fresh, tok, cls=Moved)
+    try:
+        hook.install(pipe, cfg, None)
+        message = ""
+    except HookRefused as exc:
+        message = str(exc)
+    out["refused"] = {
+        "message": message,
+        "untouched": "_ar_step" not in vars(pipe)
+        and all("forward_und" not in vars(l.self_attn) for l in fresh.model.layers),
+    }
+    return out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    print("REPORT " + json.dumps(_child(sys.argv[2])), flush=True)
