@@ -391,7 +391,7 @@ def test_wire_attaches_sleep_release_and_summarises(model):
 
     runner = Runner()
     line = qwen.wire(model, config.get(), runner)
-    assert "replay CUDA graphs" in line and "sleep releases graphs" in line
+    assert "replay CUDA graphs" in line and "sleep level 2 releases them" in line
     wiring = model._graphdecode_qwen
     kwargs = request(model)
     cache = extract(model, kwargs)

@@ -110,7 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
             "takeover replaces its decode context with this plugin's."),
     Setting("VLLM_OMNI_GRAPHDECODE_BUCKETS", "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
-            "buffers grow by one last-bucket step at a time (tail step)."),
+            "buffers grow in steps of the gap between the last two buckets (tail step)."),
     Setting("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "512,1024,2048", _int_list,
             "precapture_buckets",
             "Buckets captured at model load when pre-capture is on (a think request reaches "
@@ -142,6 +142,8 @@ class Config:
 
 
 def _show(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
     if isinstance(value, frozenset):
         return ",".join(sorted(value)) or "off"
     if isinstance(value, tuple):

@@ -128,6 +128,34 @@ def _offer(model: str, candidates: list, cfg: config.Config, runner) -> str | No
         return f"{model}: not wired (hook error: {exc!r})"
 
 
+class ReleaseOnSleep(dict):
+    """Set as ``runner.graph_runners``: its ``clear()`` also runs every hook's release callback.
+
+    Sleep level 2 discards the memory a CUDA graph was recorded against, so every graph must go
+    first. The one call every vllm-omni worker makes there is ``graph_runners.clear()`` (0.24-0.28
+    only that, guarded by ``hasattr``; 0.30 from ``DiffusionModelRunner.release_captured_graphs``).
+    No runner of 0.24-0.30 has the attribute itself; entries found there are kept.
+    """
+
+    def __init__(self, existing=None):
+        super().__init__(existing or {})
+        self.callbacks: list = []
+
+    def clear(self) -> None:
+        super().clear()
+        for callback in self.callbacks:
+            callback()
+
+
+def release_on_sleep(runner, callback) -> None:
+    """Run ``callback`` when vllm-omni puts ``runner`` to sleep at level 2 (or releases graphs)."""
+    current = getattr(runner, "graph_runners", None)
+    if not isinstance(current, ReleaseOnSleep):
+        current = ReleaseOnSleep(current)
+        runner.graph_runners = current
+    current.callbacks.append(callback)
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches the runner class right after vllm-omni imports its module."""
 

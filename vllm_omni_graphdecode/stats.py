@@ -72,6 +72,12 @@ def dumps() -> str:
     return json.dumps(snapshot(), indent=2)
 
 
+def reset_counters() -> None:
+    """Zero the event counters (keep fallbacks and the wiring record)."""
+    with _lock:
+        _counters.clear()
+
+
 def reset() -> None:
     """Forget everything (tests, and `bench` between cases)."""
     with _lock:

@@ -549,38 +549,14 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
                             capture=capture)
 
 
-class _GraphRelease:
-    """Stands in for ``runner.graph_runners``, which every vLLM-Omni (0.24-0.30) clears on sleep
-    level 2 when the runner has it: the one sleep path common to all of them."""
-
-    def __init__(self, wiring: CachedStepGraphs):
-        self.wiring = wiring
-
-    def clear(self) -> None:
-        self.wiring.release_graphs()
-
-    def __len__(self) -> int:
-        return self.wiring.graphs.info()["captured"]
-
-
 def _attach_release(runner, wiring: CachedStepGraphs) -> str:
     """Make sleep level 2 drop our graphs (it discards the memory they were recorded against)."""
     if runner is None:
         return "no runner: release graphs yourself before sleeping"
-    if getattr(runner, "graph_runners", None) is None:
-        runner.graph_runners = _GraphRelease(wiring)
-        return "sleep releases graphs"
-    pipeline = getattr(runner, "pipeline", None)
-    if pipeline is not None and getattr(pipeline, "release_captured_graphs", None) is None:
-        def release_captured_graphs():
-            wiring.release_graphs()
+    from .. import loading
 
-        release_captured_graphs.__graphdecode__ = True
-        pipeline.release_captured_graphs = release_captured_graphs  # called by 0.30 on sleep
-        return "sleep releases graphs (0.30+)"
-    stats.fallback(MODEL, "sleep cannot release the graphs", "do not use sleep level 2 with this on",
-                   "runner.graph_runners and pipeline.release_captured_graphs are both taken")
-    return "WARNING: sleep level 2 does not release these graphs"
+    loading.release_on_sleep(runner, wiring.release_graphs)
+    return "sleep level 2 releases them"
 
 
 def wire(target, cfg: config.Config, runner) -> str:
@@ -598,6 +574,8 @@ def wire(target, cfg: config.Config, runner) -> str:
     try:
         device = next(transformer.parameters()).device
         found = structure_reason(transformer, device)
+        if found is None and device.type != "cuda":
+            found = (NOT_CUDA, str(device))
     except StopIteration:
         found = None
     if found is not None:

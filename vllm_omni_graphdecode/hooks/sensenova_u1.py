@@ -793,23 +793,6 @@ def _decode_context_taken_over(past_key_values):
     return None
 
 
-class _ReleasingRunners(dict):
-    """The runner's ``graph_runners``, whose ``clear()`` also releases the decode graphs.
-
-    vllm-omni 0.24-0.28 workers do only ``if hasattr(model_runner, "graph_runners"):
-    model_runner.graph_runners.clear()`` at sleep level 2, which discards the memory graphs were
-    captured against. Entries already there are kept.
-    """
-
-    def __init__(self, existing, release):
-        super().__init__(existing or {})
-        self._release = release
-
-    def clear(self) -> None:
-        super().clear()
-        self._release()
-
-
 def _wire_release(pipeline, state: _State, runner) -> None:
     previous = getattr(pipeline, "release_captured_graphs", None)  # 0.30's in-tree one, if any
 
@@ -820,6 +803,7 @@ def _wire_release(pipeline, state: _State, runner) -> None:
             previous()
 
     pipeline.release_captured_graphs = release_captured_graphs
-    if runner is not None and not callable(getattr(runner, "release_captured_graphs", None)):
-        runner.graph_runners = _ReleasingRunners(getattr(runner, "graph_runners", None),
-                                                 pipeline.release_captured_graphs)
+    if runner is not None:
+        from .. import loading
+
+        loading.release_on_sleep(runner, pipeline.release_captured_graphs)

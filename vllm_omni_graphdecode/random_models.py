@@ -1,22 +1,20 @@
-"""A tiny, real SenseNova-U1 language model and pipeline for tests, built without a checkpoint.
+"""The real model classes at any size, with random weights: for the demo, the tests and the
+benchmarks. Nothing is downloaded.
 
-Everything here is vllm-omni's own code (``SenseNovaU1ForCausalLM``, ``SenseNovaU1Pipeline``'s
-think/text loops) at toy sizes, with a tokenizer built locally: no downloads, and nothing this
-plugin patches is replaced by a stand-in.
+SenseNova-U1: vllm-omni's own ``SenseNovaU1ForCausalLM`` and ``SenseNovaU1Pipeline`` think/text
+loops, with a tokenizer built locally. Nothing this plugin patches is replaced by a stand-in.
 
-On CPU the model needs five adjustments, none of which touches the code the plugin patches: a
-vllm config that names the device (the unspecified platform cannot infer one), a world-size-1
-vllm process group (gloo), an SDPA diffusion attention backend for the CPU platform (it has
-none), SDPA's CUDA forward used as its forward (it is plain torch), and the Triton fused
-qk-norm+rope kernel hidden so the model takes its PyTorch fallback (``production_rope()``
-un-hides it for CUDA models when CPU tests ran first in the same process).
+On CPU the model needs four adjustments, none of which touches the code the plugin patches:
+a world-size-1 vllm process group (gloo), an SDPA diffusion attention backend for the CPU
+platform (it has none), SDPA's CUDA forward used as its forward (it is plain torch), and the
+Triton fused qk-norm+rope kernel hidden so the model takes its PyTorch fallback.
 
 The pipeline object is made with ``object.__new__`` and ``nn.Module.__init__``: its real
 ``__init__`` resolves a checkpoint directory. The think/text loops only read ``language_model``,
 ``tokenizer`` and ``device`` from it, and the plugin's eligibility rules read ``od_config``.
 
 Works for vllm-omni 0.28 (run from a subprocess with its tree first on ``sys.path``) and 0.30 on
-CPU, and for 0.26 on a CUDA host (``device="cuda"``, where the real CUDA platform is used as is).
+CPU, and for 0.26/0.30 on a CUDA host (``device="cuda"``, where the real CUDA platform is used).
 """
 
 from __future__ import annotations
@@ -124,7 +122,8 @@ def pipeline_module():
     return pipeline_sensenova_u1
 
 
-def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_ids=()):
+def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_ids=(),
+             on_device_init=False):
     """A real ``SenseNovaU1ForCausalLM`` with random weights.
 
     ``banned_ids``: vocabulary rows of ``lm_head`` set to zero, so those tokens get logit 0 while
@@ -299,3 +298,42 @@ def bind_adapter(wrappers, seed=5, scale=0.5):
 def unbind_adapter(wrappers):
     for w in wrappers:
         w.reset_lora(0)
+
+
+def random_prefix(lm, length: int, *, seed: int = 0):
+    """A prefill's result without running it: random post-RoPE-like K/V of ``length`` tokens per
+    layer and random last-position logits. Returns (prefix_logits, make_cache), ``make_cache()``
+    giving a fresh ``DynamicCache`` over the same tensors (the eager loop appends by ``torch.cat``,
+    which leaves them untouched)."""
+    from transformers import DynamicCache
+
+    cfg = lm.config
+    param = next(lm.parameters())
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    shape = (1, cfg.num_key_value_heads, length, cfg.head_dim)
+    kv = [(torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype),
+           torch.randn(shape, generator=gen, device=param.device, dtype=param.dtype))
+          for _ in range(cfg.num_hidden_layers)]
+    logits = torch.randn(1, 1, cfg.vocab_size, generator=gen, device=param.device,
+                         dtype=torch.float32)
+
+    def make_cache():
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(kv):
+            cache.update(k, v, i)
+        return cache
+
+    return logits, make_cache
+
+
+def has_intree_paged_decode() -> bool:
+    """vllm-omni >= 0.30 ships its own SenseNova-U1 paged decode."""
+    return hasattr(pipeline_module().SenseNovaU1Pipeline, "_decode_context")
+
+
+def flashinfer_status() -> str:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:
+        return f"not measured: flashinfer is not importable here ({type(exc).__name__}: {exc})"
+    return "importable (not benchmarked by this script)"

@@ -1,0 +1,336 @@
+"""Benchmarks that decide the plugin's defaults. Prints JSON; writes JSON + PNG to --out.
+
+    python benchmarks/bench.py --out DIR [--cases sensenova_decode,qwen_image_21_step,memory]
+
+Every side of a comparison runs in this one process, on random weights at the real layer shapes
+(bf16), timed with CUDA events, warm-up excluded, median of repeats; the ceilings (copy bandwidth,
+bf16 matmul rate) are measured in the same run. Run it through scripts/gpu/run_suite.sh on a GPU
+host (CONTRIBUTING.md).
+
+Cases (names as in the result rows):
+  sensenova_decode_ctxN[_fa2|_fa3|_intree]: ms/token of SenseNova-U1's text loop
+      (`_generate_text`, which is what a request runs: argmax and `.item()` every step) eager vs the
+      plugin (paged + graph, FA3 and FA2), or vs vllm-omni 0.30's in-tree path when that is the
+      stack. Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`,
+      one embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
+  qwen_image_21_step_{t2i,edit2}_{512,1024}: ms per cached denoising step of diffusers'
+      QwenImage21Transformer2DModel, eager vs the plugin's graph. Floor: the step's FLOPs over the
+      measured bf16 matmul rate.
+  memory_*: device memory after each of 20 requests, capture time, first-request latency with and
+      without pre-capture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+from vllm_omni_graphdecode import config, stats  # noqa: E402
+from vllm_omni_graphdecode import random_models as rm  # noqa: E402
+from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
+
+SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                       intermediate=12288, vocab=151936)
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ SenseNova-U1 decode
+
+def sensenova_read_bytes(lm, ctx: int) -> int:
+    """Bytes one decode step must read: understanding weights, one embedding row, K/V at ctx."""
+    total = 0
+    for name, p in lm.named_parameters():
+        if "_mot_gen" in name:
+            continue
+        if "embed_tokens" in name:
+            total += p.shape[-1] * p.element_size()  # one row
+            continue
+        total += p.numel() * p.element_size()
+    cfg = lm.config
+    kv = 2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim * 2
+    return total + kv
+
+
+def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3):
+    """ms/token of the pipeline's own text loop over `steps` tokens, median of repeats."""
+    times = []
+    for r in range(repeats + 1):  # the first run is warm-up (and capture, when lazy)
+        cache = make_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe._generate_text(prefix_logits, cache, t_idx, max_tokens=steps)
+        torch.cuda.synchronize()
+        if r:
+            times.append((time.perf_counter() - start) * 1e3 / steps)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_sensenova(args, rows, env):
+    is_030 = rm.has_intree_paged_decode()
+    lm = rm.build_lm(rm.llm_config(**SENSENOVA_SHAPE), device="cuda", dtype=torch.bfloat16,
+                     seed=0, on_device_init=True)
+    tok = rm.build_tokenizer(SENSENOVA_SHAPE["vocab"])
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    with torch.no_grad():
+        lm.lm_head.weight[eos].zero_()  # the loop must run its full length, not stop at EOS
+    bw = common.copy_bandwidth_bytes_per_s()
+    env["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    steps = args.steps
+    for ctx in args.contexts:
+        prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
+        t_idx = ctx - 1
+        floor = sensenova_read_bytes(lm, ctx + steps // 2) / bw * 1e3
+        eager_pipe = rm.build_pipeline(lm, tok, device="cuda")
+        if is_030:
+            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
+        eager = _text_loop_ms(eager_pipe, prefix_logits, make_cache, t_idx, steps)
+        log(f"ctx {ctx}: eager {eager:.2f} ms/token (floor {floor:.2f})")
+        if is_030:
+            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "1"
+            intree = _text_loop_ms(rm.build_pipeline(lm, tok, device="cuda"), prefix_logits,
+                                   make_cache, t_idx, steps)
+            log(f"ctx {ctx}: vllm-omni 0.30 in-tree {intree:.2f} ms/token")
+            rows.append(common.case(f"sensenova_decode_ctx{ctx}_intree", eager, intree, floor,
+                                    side="vllm-omni 0.30 in-tree paged decode (FA2)"))
+        for fa in args.fa:
+            cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                                "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
+                                "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+                                "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0"})
+            pipe = rm.build_pipeline(lm, tok, device="cuda")
+            stats.reset()
+            try:
+                summary = sensenova_u1.install(pipe, cfg)
+            except Exception as exc:
+                rows.append(common.case(f"sensenova_decode_ctx{ctx}_fa{fa}", eager, None, floor,
+                                        error=repr(exc)))
+                continue
+            ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
+            snap = stats.snapshot()
+            log(f"ctx {ctx}: ours FA{fa} {ours:.2f} ms/token ({summary}; {snap['counters']})")
+            rows.append(common.case(f"sensenova_decode_ctx{ctx}_fa{fa}", eager, ours, floor,
+                                    side=f"plugin paged + graph, FA{fa}",
+                                    counters=snap["counters"], fallbacks=snap["fallbacks"]))
+            pipe.release_captured_graphs()
+        rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
+                                note=rm.flashinfer_status()))
+    del lm
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ Qwen-Image-2.1 cached step
+
+QWEN_CASES = (  # name, target latent grid, reference grids (a 1024x1024 image is 64x64 latents)
+    ("t2i_512", (32, 32), ()),
+    ("t2i_1024", (64, 64), ()),
+    ("edit2_512", (32, 32), ((32, 32), (32, 32))),
+    ("edit2_1024", (64, 64), ((64, 64), (64, 64))),
+)
+
+
+def qwen_step_flops(tf, target: int, prefix: int, batch: int = 1) -> float:
+    """FLOPs of one cached step: every block's projections and SwiGLU on the target tokens,
+    attention of the target queries over prefix + target keys, img_in and proj_out."""
+    cfg = tf.config
+    h = cfg.num_attention_heads * cfg.attention_head_dim
+    ff = cfg.mlp_ratio * h
+    per_layer = 2 * target * (4 * h * h + 3 * h * ff) + 4 * target * (prefix + target) * h
+    io = 2 * target * h * (cfg.in_channels + (cfg.out_channels or cfg.in_channels))
+    return batch * (cfg.num_layers * per_layer + io)
+
+
+def bench_qwen(args, rows, env):
+    from vllm_omni_graphdecode.hooks import qwen_image_21 as q
+
+    rate = common.matmul_flops_per_s()
+    env["bf16_matmul_tflops"] = round(rate / 1e12, 1)
+    log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
+    tf = q.random_transformer(device="cuda", dtype=torch.bfloat16)
+    for name, target, refs in QWEN_CASES:
+        stats.reset()
+        r = q.bench_cached_step(tf, text_tokens=256, reference_shapes=refs, target_shape=target)
+        floor = qwen_step_flops(tf, r["target_tokens"], r["prefix_len"]) / rate * 1e3
+        log(f"qwen {name}: eager {r['eager_ms']:.2f} graph {r['graph_ms']:.2f} "
+            f"static {r['static_ms']:.2f} floor {floor:.2f} ms exact={r['exact']}")
+        rows.append(common.case(
+            f"qwen_image_21_step_{name}", r["eager_ms"], r["graph_ms"], floor,
+            static_ms=r["static_ms"], first_graph_step_ms=r["first_graph_step_ms"],
+            prefix_len=r["prefix_len"], target_tokens=r["target_tokens"], exact=r["exact"],
+            max_abs_diff=r["max_abs_diff"], prefix_buffer_mb=r["prefix_buffer_mb"],
+            fallbacks=r["fallbacks"]))
+    del tf
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ memory and first request
+
+def _mib(x):
+    return round(x / 2**20, 1)
+
+
+def bench_memory(args, rows, env):
+    """Device memory after each of 20 requests, capture cost, first-request latency."""
+    is_030 = rm.has_intree_paged_decode()
+    shape = dict(SENSENOVA_SHAPE)
+    lm = rm.build_lm(rm.llm_config(**shape), device="cuda", dtype=torch.bfloat16, seed=0,
+                     on_device_init=True)
+    tok = rm.build_tokenizer(shape["vocab"])
+    with torch.no_grad():
+        lm.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")].zero_()
+    steps = 48
+
+    def request(pipe, ctx, seed):
+        logits, make_cache = rm.random_prefix(lm, ctx, seed=seed)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe._generate_text(logits, make_cache(), ctx - 1, max_tokens=steps)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    fa = args.fa[0] if args.fa else "3"
+    for precapture in ("1", "0"):
+        cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                            "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
+                            "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+                            "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": precapture})
+        stats.reset()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        pipe = rm.build_pipeline(lm, tok, device="cuda")
+        summary = sensenova_u1.install(pipe, cfg)
+        torch.cuda.synchronize()
+        wire_s = time.perf_counter() - t0
+        wire_mib = _mib(torch.cuda.memory_allocated() - before)
+        log(f"precapture={precapture}: wired in {wire_s:.2f} s, +{wire_mib} MiB ({summary})")
+        # Contexts cycle over the pre-captured buckets (512, 1024, 2048): every bucket is reached
+        # in the first 4 requests, so requests 5..20 must not grow memory.
+        first = request(pipe, 500, seed=1)
+        mem = []
+        per_token = []
+        for i in range(20):
+            per_token.append(request(pipe, (500, 900, 1500, 1900)[i % 4], seed=2 + i))
+            mem.append(_mib(torch.cuda.memory_allocated()))
+        steady = sorted(per_token[4:])[len(per_token[4:]) // 2]
+        rows.append(common.case(
+            f"memory_sensenova_precapture{precapture}", None, steady, None,
+            first_request_ms_per_token=first, first_vs_steady=round(first / steady, 3),
+            wire_seconds=wire_s, wire_mib=wire_mib, memory_mib_after_request=mem,
+            growth_5_to_20_mib=round(mem[-1] - mem[4], 1),
+            counters=stats.snapshot()["counters"], fallbacks=stats.snapshot()["fallbacks"]))
+        log(f"precapture={precapture}: first {first:.2f} ms/token, steady {steady:.2f}; "
+            f"memory 5->20 {mem[4]} -> {mem[-1]} MiB")
+        pipe.release_captured_graphs()
+        del pipe
+        torch.cuda.empty_cache()
+    del lm
+    torch.cuda.empty_cache()
+    if is_030:
+        return
+    from vllm_omni_graphdecode.hooks import qwen_image_21 as q
+
+    tf = q.random_transformer(device="cuda", dtype=torch.bfloat16)
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "qwen_image_21"})
+    stats.reset()
+    graphs = q.enable(tf, max_entries=cfg.max_entries)
+    mem = []
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    with torch.no_grad():
+        for i in range(20):
+            kwargs = q.synthetic_inputs(tf, text_tokens=200 + 8 * (i % 3), target_shape=(64, 64),
+                                        seed=i)
+            cache = QwenImage21KVCache(len(tf.transformer_blocks))
+            tf(**kwargs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)
+            for _ in range(3):
+                tf(**kwargs, kv_cache=cache, kv_cache_mode="cached", return_dict=False)
+            del cache
+            torch.cuda.synchronize()
+            mem.append(_mib(torch.cuda.memory_allocated()))
+    rows.append(common.case("memory_qwen_image_21_t2i_1024", None, None, None,
+                            memory_mib_after_request=mem,
+                            growth_5_to_20_mib=round(mem[-1] - mem[4], 1),
+                            counters=stats.snapshot()["counters"],
+                            fallbacks=stats.snapshot()["fallbacks"]))
+    log(f"qwen memory 5->20 {mem[4]} -> {mem[-1]} MiB")
+    graphs.disable()
+    del tf
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ output
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.get("eager_ms") and r.get("ours_ms")]
+    if not shown:
+        return
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shown)), 4))
+    x = range(len(shown))
+    ax.bar([i - 0.27 for i in x], [r["eager_ms"] for r in shown], 0.27, label="eager")
+    ax.bar(list(x), [r["ours_ms"] for r in shown], 0.27, label="ours / in-tree")
+    ax.bar([i + 0.27 for i in x], [r["floor_ms"] or 0 for r in shown], 0.27, label="floor")
+    ax.set_xticks(list(x), [r["case"] for r in shown], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="sensenova_decode,qwen_image_21_step,memory")
+    ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
+    ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
+    args = ap.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.fa = [f for f in args.fa.split(",") if f]
+    os.makedirs(args.out, exist_ok=True)
+    env = common.environment()
+    rows: list[dict] = []
+    rm.setup_runtime("cuda")
+    for name in args.cases.split(","):
+        fn = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
+              "memory": bench_memory}[name]
+        try:
+            fn(args, rows, env)
+        except Exception as exc:  # keep what the other cases measured
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"case": name, "error": repr(exc)})
+        torch.cuda.empty_cache()
+    tag = args.tag or ("0.30" if rm.has_intree_paged_decode() else "default")
+    result = {"environment": env, "cases": rows}
+    with open(os.path.join(args.out, f"bench-{tag}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(rows, os.path.join(args.out, f"bench-{tag}.png"))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

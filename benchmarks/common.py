@@ -1,0 +1,113 @@
+"""Measurement helpers shared by the benchmark cases: timers, ceilings, environment record.
+
+Every number a case reports is a median over repeats of CUDA-event-timed runs, warm-up excluded,
+and every ceiling (copy bandwidth, bf16 matmul rate) is measured in the same process run, so a
+result file compares like with like.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from typing import Callable
+
+import torch
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "vllm", "vllm-omni", "diffusers", "transformers", "flashinfer-python"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    # The offline bundle puts vllm-omni on sys.path without dist-info for the 0.30 stack.
+    try:
+        import vllm_omni
+
+        out["vllm-omni"] = getattr(vllm_omni, "__version__", out["vllm-omni"])
+    except Exception:
+        pass
+    return out
+
+
+def gpu_info() -> dict:
+    info = {"gpu": torch.cuda.get_device_name(0),
+            "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+            "memory_mib": torch.cuda.get_device_properties(0).total_memory // 2**20}
+    try:
+        info["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:
+        info["driver"] = None
+    return info
+
+
+def environment() -> dict:
+    return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "versions": versions(), **gpu_info()}
+
+
+def time_ms(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 5,
+            inner: int = 1) -> float:
+    """Median wall time of ``inner`` calls of ``fn`` (ms per call), by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate counted as read + write, the ceiling for a weight-streaming step."""
+    src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * size_bytes / (ms / 1e3)
+
+
+def matmul_flops_per_s(n: int = 8192) -> float:
+    """bf16 dense matmul rate on random data, the ceiling for a compute-bound step."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda: a @ b, warmup=5, repeats=10, inner=5)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / (ms / 1e3)
+
+
+def case(name: str, eager_ms: float | None, ours_ms: float | None, floor_ms: float | None,
+         **extra) -> dict:
+    row = {"case": name, "eager_ms": _r(eager_ms), "ours_ms": _r(ours_ms), "floor_ms": _r(floor_ms),
+           "speedup": _r(eager_ms / ours_ms) if eager_ms and ours_ms else None,
+           "of_floor": _r(ours_ms / floor_ms) if ours_ms and floor_ms else None}
+    row.update({k: _r(v) if isinstance(v, float) else v for k, v in extra.items()})
+    return row
+
+
+def _r(x):
+    return None if x is None else round(float(x), 4)
+
+
+def random_init_(module: torch.nn.Module, std: float = 0.02) -> None:
+    """Random weights in place, on whatever device the parameters live (fast on GPU)."""
+    g = torch.Generator(device=next(module.parameters()).device).manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dtype.is_floating_point:
+                p.normal_(0.0, std, generator=g)
