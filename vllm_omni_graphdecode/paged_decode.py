@@ -320,9 +320,9 @@ class DecodeGraphRunner:
         graph = None
         try:
             if self._pool is None:
-                from vllm.platforms import current_platform
+                from .cuda_graphs import graph_pool
 
-                self._pool = current_platform.get_global_graph_pool()
+                self._pool = graph_pool(self.cache.device)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

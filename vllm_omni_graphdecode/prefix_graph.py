@@ -144,19 +144,11 @@ def _signature(prefix, request, step) -> tuple:
             tuple((name, sig(t)) for name, t in sorted(step.items())))
 
 
-_fallback_pool = None
+def graph_pool(device: torch.device | None = None):
+    """vLLM's global graph pool (a private one without vLLM), pinned: see ``cuda_graphs``."""
+    from .cuda_graphs import graph_pool as pool
 
-
-def graph_pool():
-    """vLLM's global graph pool (shared with vLLM's own graphs); a private one without vLLM."""
-    global _fallback_pool
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:  # bare diffusers use without vLLM installed
-        if _fallback_pool is None:
-            _fallback_pool = torch.cuda.graph_pool_handle()
-        return _fallback_pool
-    return current_platform.get_global_graph_pool()
+    return pool(device)
 
 
 def _end_failed_capture(device: torch.device, pool, stream) -> None:
@@ -439,7 +431,7 @@ class PrefixGraphs:
                     reference = self.step_fn(entry.buffers)
                 current.wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                pool = graph_pool()
+                pool = graph_pool(device)
                 # One pool for every graph, vLLM's included: replays are serialized on one stream, so
                 # intermediates of different graphs may share memory, and memory does not grow with
                 # each capture. Entering synchronizes the device, so the side stream's reference is

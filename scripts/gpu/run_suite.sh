@@ -9,8 +9,8 @@
 # STACK=0.30 runs against vllm-omni 0.30.0's tree (bundle target /tmp/site-omni-0.30.0) instead of
 # the bundle's default 0.26.0.
 set -uo pipefail
-what=${1:?usage: run_suite.sh {tests|bench|all} RESULTS_DIR}
-results=${2:?usage: run_suite.sh {tests|bench|all} RESULTS_DIR}
+what=${1:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
+results=${2:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
 shift 2; [ "${1:-}" = "--" ] && shift
 here=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$results"
