@@ -20,28 +20,65 @@ import threading
 import torch
 
 _lock = threading.Lock()
-_fallback_pool = None
-_anchors: dict[tuple, tuple] = {}
+_pools: dict[int, object] = {}  # device index -> the pool captures go to now
+_anchors: list[tuple] = []
 
 
 def graph_pool(device: torch.device | None = None):
-    """vLLM's global graph pool (a private one without vLLM), pinned on ``device``."""
-    global _fallback_pool
-    try:
-        from vllm.platforms import current_platform
-
-        pool = current_platform.get_global_graph_pool()
-    except ImportError:  # bare diffusers use without vLLM installed
-        if _fallback_pool is None:
-            _fallback_pool = torch.cuda.graph_pool_handle()
-        pool = _fallback_pool
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None or \
-        device.index is None else device
-    key = (pool, device.index)
+    """vLLM's global graph pool (a private one without vLLM, or after a failed capture), pinned."""
+    index = _index(device)
     with _lock:
-        if key not in _anchors:
-            _anchors[key] = _pin(pool, device)
-    return pool
+        pool = _pools.get(index)
+        if pool is None:
+            try:
+                from vllm.platforms import current_platform
+
+                pool = current_platform.get_global_graph_pool()
+            except ImportError:  # bare diffusers use without vLLM installed
+                pool = torch.cuda.graph_pool_handle()
+            _anchors.append(_pin(pool, torch.device("cuda", index)))
+            _pools[index] = pool
+        return pool
+
+
+def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
+    """Undo what a capture that raised leaves behind, so the process can go on (eagerly, and
+    with later captures).
+
+    A capture whose ``capture_end`` raised (a host sync or an illegal call inside it) skips the
+    bookkeeping that follows it in torch: (1) this thread's current stream stays the capture
+    stream; (2) the caching allocator keeps the pool marked as recording, so every later capture
+    into it fails with "already recording to mempool_id"; (3) the CUDA generator stays in capture
+    mode, so every later random op on the device raises "Offset increment outside graph capture"
+    (all three seen on the H200, torch 2.11). Each is repaired here; the pool is also replaced by a
+    fresh private one, since what else torch left half-done in it cannot be checked.
+    """
+    index = _index(device)
+    if stream is not None and torch.cuda.current_stream(index) != stream:
+        torch.cuda.set_stream(stream)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if pool is not None and end is not None:
+        try:
+            end(index, pool)
+        except RuntimeError:  # capture_end got far enough to end it: the fine case
+            pass
+    try:
+        generator = torch.cuda.default_generators[index]
+        # A cloned state starts outside capture mode, with the same seed and offset.
+        generator.graphsafe_set_state(generator.clone_state())
+    except (AttributeError, RuntimeError):  # older torch: no graph-safe generator state
+        pass
+    with _lock:
+        if _pools.get(index) is pool:
+            fresh = torch.cuda.graph_pool_handle()
+            _anchors.append(_pin(fresh, torch.device("cuda", index)))
+            _pools[index] = fresh
+
+
+def _index(device: torch.device | None) -> int:
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
 
 
 def _pin(pool, device: torch.device) -> tuple:

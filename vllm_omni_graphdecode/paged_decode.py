@@ -317,23 +317,26 @@ class DecodeGraphRunner:
         return time.perf_counter() - start
 
     def _capture(self, key) -> _Graph:
-        graph = None
-        try:
-            if self._pool is None:
-                from .cuda_graphs import graph_pool
+        from .cuda_graphs import graph_pool, recover_failed_capture
 
-                self._pool = graph_pool(self.cache.device)
+        graph = None
+        pool = self._pool
+        current = torch.cuda.current_stream()
+        try:
+            if pool is None:
+                pool = graph_pool(self.cache.device)
             side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
+            side.wait_stream(current)
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self.forward()
-            torch.cuda.current_stream().wait_stream(side)
+            current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=pool):
                 output = self.forward()
         except Exception as exc:
             del graph
+            recover_failed_capture(self.cache.device, pool, current)
             try:
                 torch.cuda.synchronize()
             except Exception:  # the failure may have left the stream unusable; report the first

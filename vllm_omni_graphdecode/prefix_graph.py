@@ -56,6 +56,7 @@ from typing import Any, Callable
 import torch
 
 from . import stats
+from .cuda_graphs import graph_pool, recover_failed_capture
 
 Tensor = torch.Tensor
 
@@ -144,33 +145,6 @@ def _signature(prefix, request, step) -> tuple:
             tuple((name, sig(t)) for name, t in sorted(step.items())))
 
 
-def graph_pool(device: torch.device | None = None):
-    """vLLM's global graph pool (a private one without vLLM), pinned: see ``cuda_graphs``."""
-    from .cuda_graphs import graph_pool as pool
-
-    return pool(device)
-
-
-def _end_failed_capture(device: torch.device, pool, stream) -> None:
-    """Undo what a capture that failed inside ``capture_end`` leaves behind, best effort.
-
-    ``torch.cuda.graph.__exit__`` calls ``capture_end`` before leaving its stream context, and
-    ``capture_end`` raises before telling the caching allocator the capture is over. So (1) this
-    thread's current stream is still the capture stream, and later eager work would run there,
-    unordered with the rest; (2) the pool stays registered as capturing, and every free of a block
-    used on a second stream is deferred until no capture is underway: forever, a slow leak.
-    When ``capture_end`` got far enough to end the pool itself, or the failure came before capture
-    began, torch reports there is nothing to end: that is the fine case.
-    """
-    if stream is not None and torch.cuda.current_stream(device) != stream:
-        torch.cuda.set_stream(stream)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if pool is None or end is None:
-        return
-    try:
-        end(device.index, pool)
-    except RuntimeError:
-        pass
 
 
 def _compare(out: Tensor, ref: Tensor) -> tuple[bool, bool, float]:
@@ -440,12 +414,12 @@ class PrefixGraphs:
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     output = self.step_fn(entry.buffers)
             except torch.OutOfMemoryError as exc:
-                _end_failed_capture(device, pool, current)
+                recover_failed_capture(device, pool, current)
                 self._evict_free()
                 self._mark_eager(entry.key, entry.sig, OOM, repr(exc))
                 return None
             except Exception as exc:  # any capture error: this shape stays eager, the step goes on
-                _end_failed_capture(device, pool, current)
+                recover_failed_capture(device, pool, current)
                 self._mark_eager(entry.key, entry.sig, CAPTURE_FAILED, repr(exc))
                 stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
                 return None
