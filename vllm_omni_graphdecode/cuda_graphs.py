@@ -53,6 +53,8 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
     (all three seen on the H200, torch 2.11). Each is repaired here; the pool is also replaced by a
     fresh private one, since what else torch left half-done in it cannot be checked.
     """
+    if not torch.cuda.is_available():  # the capture failed before touching a device
+        return
     index = _index(device)
     if stream is not None and torch.cuda.current_stream(index) != stream:
         torch.cuda.set_stream(stream)
