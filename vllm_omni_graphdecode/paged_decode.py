@@ -319,10 +319,10 @@ class DecodeGraphRunner:
     def _capture(self, key) -> _Graph:
         from .cuda_graphs import graph_pool, recover_failed_capture
 
-        graph = None
+        graph = current = None
         pool = self._pool
-        current = torch.cuda.current_stream()
         try:
+            current = torch.cuda.current_stream()
             if pool is None:
                 pool = graph_pool(self.cache.device)
             side = torch.cuda.Stream()
