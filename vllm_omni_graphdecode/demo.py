@@ -19,7 +19,8 @@ import torch
 
 from . import config, loading, stats
 
-SENSENOVA_GPU = dict(num_layers=4, hidden=512, heads=8, kv_heads=2, head_dim=64, vocab=96,
+# head_dim 128 and 4:1 grouped-query attention, as in the released model.
+SENSENOVA_GPU = dict(num_layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, vocab=96,
                      intermediate=1024)
 QWEN_CPU = dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, context_in_dim=24,
                 in_channels=8, out_channels=8, axes_dims_rope=(4, 6, 6))
