@@ -67,9 +67,15 @@ def _pipe(gpu, lm=None, cfg=None, runner=None, **install):
 
 
 def _think(pipe, ids, steps):
+    inner = pipe._ar_step
     logits = st.record_ar_steps(pipe)
-    cache, t_idx, text = st.run_think(pipe, ids, steps)
-    torch.cuda.synchronize()
+    try:
+        cache, t_idx, text = st.run_think(pipe, ids, steps)
+        torch.cuda.synchronize()
+    finally:
+        # One recorder per call: stacking them (one more per request, each keeping its logits)
+        # grew memory quadratically across requests in the memory test, which is not the plugin.
+        pipe._ar_step = inner
     return SimpleNamespace(cache=cache, t_idx=t_idx, text=text, logits=logits,
                            tokens=[int(l.argmax(-1)) for l in logits])
 

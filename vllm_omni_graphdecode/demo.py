@@ -86,23 +86,33 @@ def sensenova(device: str) -> bool:
           f"{ours_ms / steps:.2f} ms/token (first request), {ours2_ms / steps:.2f} ms/token "
           f"(second)")
     print(f"path: {_path('sensenova_u1')}")
-    ok = True
-    for name, ref, got in (("text", ref_text, text), ("text, again", ref_text, text2),
-                           ("think", ref_think, think)):
-        ok &= _report_tokens(name, ref.split(), got.split(), ref_logits[:steps])
-    if device == "cuda":
-        # The same paged path without graphs: same kernels, so replay must agree with it exactly
-        # where eager (SDPA) and FA3 may round differently.
-        from .hooks import sensenova_u1
+    if device != "cuda":
+        # No graph and no FlashAttention here: the fallback is the pipeline's own eager step.
+        ok = True
+        for name, ref, got in (("text", ref_text, text), ("text, again", ref_text, text2),
+                               ("think", ref_think, think)):
+            ok &= _report_tokens(name, ref.split(), got.split(), ref_logits[:steps])
+        return ok
+    # On the GPU the graph must replay exactly what the same paged step computes without a graph
+    # (same kernels). Against the pipeline's eager step (SDPA over a DynamicCache) the math is the
+    # same but the kernel is not: FA3 and SDPA round bf16 differently, and with random weights a
+    # greedy decode drifts apart after a few dozen tokens. The math itself is checked on CPU in
+    # fp32 (tests/test_sensenova_cpu.py: logits within 1e-4, identical tokens).
+    from .hooks import sensenova_u1
 
-        paged = rm.build_pipeline(lm, tok, device=device)
-        sensenova_u1.install(paged, cfg_no_precapture(), graphs=False)
-        paged_logits = rm.record_ar_steps(paged)
-        paged_text = rm.run_text(paged, ids, steps)
-        ok &= _report_tokens("graph replay vs the paged step without graphs", paged_text.split(),
-                             text.split(), paged_logits)
-        _report_tokens("paged step without graphs vs eager", ref_text.split(),
-                       paged_text.split(), ref_logits[:steps])
+    paged = rm.build_pipeline(lm, tok, device=device)
+    sensenova_u1.install(paged, cfg_no_precapture(), graphs=False)
+    paged_logits = rm.record_ar_steps(paged)
+    paged_text = rm.run_text(paged, ids, steps)
+    paged_think = rm.run_think(paged, ids, steps)[2]
+    ok = True
+    for name, ref, got in (("text: graph replay vs the paged step without graphs", paged_text, text),
+                           ("text, again", paged_text, text2),
+                           ("think: graph replay vs the paged step without graphs", paged_think,
+                            think)):
+        ok &= _report_tokens(name, ref.split(), got.split(), paged_logits[:steps])
+    _report_tokens("text: paged step (FA3) vs the pipeline's eager step (SDPA), for information",
+                   ref_text.split(), text.split(), ref_logits[:steps])
     return ok
 
 
@@ -119,7 +129,7 @@ NEAR_TIE = 0.125
 def _report_tokens(name, ref, got, ref_logits) -> bool:
     first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
     if first is None and len(ref) == len(got):
-        print(f"{name}: all {len(ref)} tokens identical to eager")
+        print(f"{name}: all {len(ref)} tokens identical")
         return True
     if first is None or first == 0 or first - 1 >= len(ref_logits):
         print(f"{name}: differs from eager (lengths {len(ref)} vs {len(got)})")
@@ -128,7 +138,7 @@ def _report_tokens(name, ref, got, ref_logits) -> bool:
     margin = float(top2[0] - top2[1])
     tie = margin < NEAR_TIE
     print(f"{name}: first {first} of {len(ref)} tokens identical; token {first} differs where "
-          f"eager's top-2 logits are {margin:.3f} apart "
+          f"the reference's top-2 logits are {margin:.3f} apart "
           f"({'a bf16 near-tie, accepted' if tie else 'NOT a near-tie'})")
     return tie
 
