@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from plot import plot  # noqa: E402
 from vllm_omni_graphdecode import config, stats  # noqa: E402
 from vllm_omni_graphdecode import random_models as rm  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
@@ -275,28 +276,6 @@ def bench_memory(args, rows, env):
 
 
 # ------------------------------------------------------------------ output
-
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = [r for r in rows if r.get("eager_ms") and r.get("ours_ms")]
-    if not shown:
-        return
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(shown)), 4))
-    x = range(len(shown))
-    ax.bar([i - 0.27 for i in x], [r["eager_ms"] for r in shown], 0.27, label="eager")
-    ax.bar(list(x), [r["ours_ms"] for r in shown], 0.27, label="ours / in-tree")
-    ax.bar([i + 0.27 for i in x], [r["floor_ms"] or 0 for r in shown], 0.27, label="floor")
-    ax.set_xticks(list(x), [r["case"] for r in shown], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("ms")
-    ax.set_yscale("log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
 
 def main():
     ap = argparse.ArgumentParser()
