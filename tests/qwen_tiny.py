@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+from vllm_omni_graphdecode.hooks.qwen_image_21 import synthetic_inputs
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21KVCache,
     QwenImage21Transformer2DModel,
@@ -40,30 +41,13 @@ def tiny_transformer(config: dict | None = None, *, dtype=torch.float32, device=
 def request(model, *, batch: int = 1, text_tokens: int = 6, reference_shapes=(), target_shape=(4, 4),
             seed: int = 1) -> dict:
     """Keyword arguments of one request's transformer calls (no cache): text, then each reference
-    image's slots inside the prompt, more text, then the target's slots (one slot per 2x2 latents)."""
-    cfg = model.config
-    param = next(model.parameters())
-    gen = torch.Generator().manual_seed(seed)
-    head = text_tokens // 2
-    slots = [False] * head
-    for h, w in reference_shapes:
-        slots += [True] * (h * w // 4)
-    slots += [False] * (text_tokens - head)
-    n_context = len(slots)
-    th, tw = target_shape
-    slots += [True] * (th * tw // 4)
-    n_image = sum(h * w for h, w in reference_shapes) + th * tw
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device=param.device, dtype=param.dtype)
-
-    return dict(
-        hidden_states=rand(batch, n_image, cfg.in_channels),
-        encoder_hidden_states=rand(batch, n_context, cfg.context_in_dim),
-        timestep=torch.full((batch,), 0.9, dtype=param.dtype, device=param.device),
-        img_shapes=[[(1, h, w) for h, w in reference_shapes] + [(1, th, tw)]] * batch,
-        img_mask=torch.tensor(slots).expand(batch, -1).to(param.device),
-    )
+    image's slots inside the prompt, more text, then the target's slots (one slot per 2x2 latents),
+    as the plugin's ``synthetic_inputs`` lays them out, at timestep 0.9."""
+    kwargs = synthetic_inputs(model, batch=batch, text_tokens=text_tokens,
+                              reference_shapes=tuple(reference_shapes), target_shape=target_shape,
+                              seed=seed)
+    kwargs["timestep"] = torch.full_like(kwargs["timestep"], 0.9)
+    return kwargs
 
 
 def new_cache(model) -> QwenImage21KVCache:
