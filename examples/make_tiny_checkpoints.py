@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -64,7 +65,8 @@ def byte_level_tokenizer(special_tokens, *, chat_template=None):
     tk.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in special_tokens if t not in ("<|im_end|>", "<|endoftext|>")],
+        additional_special_tokens=[t for t in special_tokens
+                                   if t not in ("<|im_end|>", "<|endoftext|>")],
     )
     fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
     if chat_template is not None:
@@ -156,7 +158,9 @@ def sensenova_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[f"{prefix}.embeddings.patch_embedding.bias"] = (E,)
         shapes[f"{prefix}.embeddings.dense_embedding.weight"] = (H, E, vis_merge, vis_merge)
         shapes[f"{prefix}.embeddings.dense_embedding.bias"] = (H,)
-    embedders = ["timestep_embedder"] + (["noise_scale_embedder"] if cfg["add_noise_scale_embedding"] else [])
+    embedders = ["timestep_embedder"]
+    if cfg["add_noise_scale_embedding"]:
+        embedders.append("noise_scale_embedder")
     for name in embedders:
         shapes[f"fm_modules.{name}.mlp.0.weight"] = (H, 256)
         shapes[f"fm_modules.{name}.mlp.0.bias"] = (H,)
@@ -182,13 +186,14 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], *, seed=0, dtype=torch.bf
         elif name.endswith(".bias"):
             t = 0.02 * torch.randn(shape, generator=gen)
         else:
-            fan_in = max(1, int(torch.tensor(shape[1:]).prod().item()) if len(shape) > 1 else shape[0])
+            fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
             t = torch.randn(shape, generator=gen) / fan_in ** 0.5
         out[name] = t.to(dtype).contiguous()
     return out
 
 
-def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16, **config_overrides) -> dict:
+def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16,
+                       **config_overrides) -> dict:
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -318,7 +323,8 @@ def write_qwen_image_21(path: str, *, seed: int = 0, dtype=torch.bfloat16, z_dim
 # --------------------------------------------------------------------------------------------
 
 def _dir_size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    return sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(path) for f in files)
 
 
 def write_all(outdir: str, *, seed: int = 0, dtype=torch.bfloat16) -> dict[str, str]:
@@ -336,6 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()  # not the per-model "cast with to()" advice
     os.makedirs(args.outdir, exist_ok=True)
 
     sn_path = os.path.join(args.outdir, "sensenova_u1")
