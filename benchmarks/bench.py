@@ -161,7 +161,7 @@ def bench_qwen(args, rows, env):
     rate = common.matmul_flops_per_s()
     env["bf16_matmul_tflops"] = round(rate / 1e12, 1)
     log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    tf = q.random_transformer(device="cuda", dtype=torch.bfloat16)
+    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
     for name, target, refs in QWEN_CASES:
         stats.reset()
         r = q.bench_cached_step(tf, text_tokens=256, reference_shapes=refs, target_shape=target)
@@ -246,7 +246,7 @@ def bench_memory(args, rows, env):
         return
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
 
-    tf = q.random_transformer(device="cuda", dtype=torch.bfloat16)
+    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "qwen_image_21"})
     stats.reset()
     graphs = q.enable(tf, max_entries=cfg.max_entries)
@@ -255,7 +255,7 @@ def bench_memory(args, rows, env):
 
     with torch.no_grad():
         for i in range(20):
-            kwargs = q.synthetic_inputs(tf, text_tokens=200 + 8 * (i % 3), target_shape=(64, 64),
+            kwargs = rm.synthetic_inputs(tf, text_tokens=200 + 8 * (i % 3), target_shape=(64, 64),
                                         seed=i)
             cache = QwenImage21KVCache(len(tf.transformer_blocks))
             tf(**kwargs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)

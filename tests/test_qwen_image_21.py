@@ -24,6 +24,7 @@ from qwen_tiny import (
     tiny_transformer,
 )
 from vllm_omni_graphdecode import config, prefix_graph, stats
+from vllm_omni_graphdecode.random_models import synthetic_inputs
 from vllm_omni_graphdecode.hooks import HookRefused
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 
@@ -470,7 +471,7 @@ def test_buffers_made_under_inference_mode_serve_no_grad_steps(model):
 
 
 def test_benchmark_inputs_have_the_documented_prefix_and_run_the_static_step(model):
-    kwargs = qwen.synthetic_inputs(model, batch=2, text_tokens=10, reference_shapes=((4, 4), (2, 4)),
+    kwargs = synthetic_inputs(model, batch=2, text_tokens=10, reference_shapes=((4, 4), (2, 4)),
                                    target_shape=(4, 4))
     cache = extract(model, kwargs)
     assert cache.get_layer(0).k.shape[1] == 10 + 16 + 8  # text + both references

@@ -146,14 +146,14 @@ def _report_tokens(name, ref, got, ref_logits) -> bool:
 def qwen_image_21(device: str) -> bool:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-    from .hooks import qwen_image_21 as q
+    from . import random_models as rm
 
     print("\n== Qwen-Image-2.1 (diffusers QwenImage21Transformer2DModel, random weights) ==")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    tf = q.random_transformer(device=device, dtype=dtype,
+    tf = rm.random_transformer(device=device, dtype=dtype,
                               **(QWEN_GPU if device == "cuda" else QWEN_CPU))
-    kwargs = q.synthetic_inputs(tf, text_tokens=32, target_shape=(16, 16))
+    kwargs = rm.synthetic_inputs(tf, text_tokens=32, target_shape=(16, 16))
     steps = 8
 
     def denoise():
