@@ -229,19 +229,6 @@ def _flat(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(-1, buf.shape[2], buf.shape[3])
 
 
-_side_streams: dict = {}
-
-
-def _side_stream(device) -> "torch.cuda.Stream":
-    """One warm-up stream per device for the life of the process. cuBLAS keeps a workspace per
-    stream it ran on, in the caching allocator: a new stream per capture left ~57 MiB more
-    allocated after every request that captured (measured on the H200)."""
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device=device)
-    return stream
-
-
 class CaptureError(RuntimeError):
     """Capturing a decode graph failed; nothing of the attempt is kept."""
 
@@ -330,7 +317,7 @@ class DecodeGraphRunner:
         return time.perf_counter() - start
 
     def _capture(self, key) -> _Graph:
-        from .cuda_graphs import graph_pool, recover_failed_capture
+        from .cuda_graphs import graph_pool, recover_failed_capture, warmup_stream
 
         graph = current = None
         pool = self._pool
@@ -338,7 +325,7 @@ class DecodeGraphRunner:
             current = torch.cuda.current_stream()
             if pool is None:
                 pool = graph_pool(self.cache.device)
-            side = _side_stream(current.device)
+            side = warmup_stream(current.device)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 for _ in range(2):

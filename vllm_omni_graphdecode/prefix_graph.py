@@ -56,7 +56,7 @@ from typing import Any, Callable
 import torch
 
 from . import stats
-from .cuda_graphs import graph_pool, recover_failed_capture
+from .cuda_graphs import graph_pool, recover_failed_capture, warmup_stream
 
 Tensor = torch.Tensor
 
@@ -186,7 +186,6 @@ class PrefixGraphs:
         self._by_owner: dict[int, Entry] = {}
         self._eager: dict[tuple, tuple[str, str]] = {}  # (key, sig) -> reason, for this process
         self._lock = threading.RLock()
-        self._side_streams: dict[str, Any] = {}
 
     # -- owners and entries -------------------------------------------------------------------
 
@@ -393,9 +392,7 @@ class PrefixGraphs:
             try:
                 if device.index is None:
                     device = torch.device(device.type, torch.cuda.current_device())
-                side = self._side_streams.get(str(device))
-                if side is None:
-                    side = self._side_streams[str(device)] = torch.cuda.Stream(device=device)
+                side = warmup_stream(device)
                 current = torch.cuda.current_stream(device)
                 # Warm up outside the capture: lazy initialisation (cuBLAS handles and workspaces,
                 # autotuning, first-call allocations) must not happen while capturing. The warm-up
