@@ -66,6 +66,18 @@ def test_028_sleep_level_2_clear_releases_through_graph_runners(report):
     assert r["released"] and r["after_release_matches_eager"]
 
 
+def test_028_fused_step_equals_the_models_own_step(report):
+    r = report["fused"]
+    # Same math in fp32 (plain-torch kernels): equal to rounding of the fp32 sums.
+    assert r["steps"] == 70 and r["max_logit_diff"] < 1e-5 and r["max_cache_diff"] < 1e-6
+    # Rope tables: once per step (t once, h and w once each) instead of once per layer.
+    assert r["rope_calls_last_step"]["fused"] == {"rotary_emb": 1, "rotary_emb_hw": 2}
+    assert r["rope_calls_last_step"]["plain"] == {"rotary_emb": r["layers"],
+                                                  "rotary_emb_hw": 2 * r["layers"]}
+    assert r["describe"] == "rope once per step + fused norms + SiLU"
+    assert not r["cpu_fused"] and "not CUDA" in r["cpu_describe"]
+
+
 def test_028_moved_signature_is_refused_untouched(report):
     r = report["refused"]
     assert "_ar_step signature moved" in r["message"] and r["untouched"]
@@ -85,6 +97,56 @@ def _method_source(path: Path, cls: str, name: str) -> str:
                 if isinstance(item, ast.FunctionDef) and item.name == name:
                     return ast.get_source_segment(text, item) or ""
     return ""
+
+
+def _fused_vs_plain(st, hook, kernels, lm, tok, ids) -> dict:
+    """The fused step (rope tables once per step, fused norms + SiLU) with plain-torch kernels
+    against the model's own step, both paged, same tokens: the same math, so equal in fp32."""
+    import torch
+
+    pipe = st.build_pipeline(lm, tok)
+    out, cache_fused, t_idx = st.prefill(pipe, ids)
+    _, cache_plain, _ = st.prefill(pipe, ids)
+    fused = hook.PagedDecoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
+                              fusion=hook.Fusion.reference(lm))
+    plain = hook.PagedDecoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
+                              fusion=hook.Fusion.off())
+    calls = {"rotary_emb": 0, "rotary_emb_hw": 0}
+    handles = []
+    for layer in lm.model.layers:
+        for name in calls:
+            def count(*_, name=name):
+                calls[name] += 1
+            handles.append(getattr(layer.self_attn, name).register_forward_hook(count))
+    fused.begin(cache_fused)
+    plain.begin(cache_plain)
+    token = out.logits[:, -1].argmax(-1)
+    diffs, per_step = [], {}
+    with torch.inference_mode():
+        for step in range(70):  # 20 + 70 tokens: buckets 32 -> 64 -> tail
+            before = dict(calls)
+            a = fused.step(token, t_idx + 1 + step).clone()
+            per_step["fused"] = {n: calls[n] - before[n] for n in calls}
+            before = dict(calls)
+            b = plain.step(token, t_idx + 1 + step)
+            per_step["plain"] = {n: calls[n] - before[n] for n in calls}
+            diffs.append((a - b).abs().max().item())
+            token = a[:, -1].argmax(-1)
+    for h in handles:
+        h.remove()
+    fused.write_back(cache_fused)
+    plain.write_back(cache_plain)
+    cache_diff = max(max((x.keys - y.keys).abs().max().item(),
+                         (x.values - y.values).abs().max().item())
+                     for x, y in zip(cache_fused.layers, cache_plain.layers))
+    on_cpu = hook.Fusion(lm, hook.detect_layout(lm), "cpu")
+    result = {"max_logit_diff": max(diffs), "steps": len(diffs), "max_cache_diff": cache_diff,
+              "rope_calls_last_step": per_step, "layers": len(lm.model.layers),
+              "describe": fused.fusion.describe(), "cpu_describe": on_cpu.describe(),
+              "cpu_fused": on_cpu.rope_kernel is not None or on_cpu.layer_ops is not None}
+    fused.release()
+    plain.release()
+    return result
 
 
 def _child(omni_path: str) -> dict:
@@ -145,6 +207,8 @@ def _child(omni_path: str) -> dict:
     out["text"] = {"same": st.run_text(paged(), ids, 70) == st.run_text(eager, ids, 70),
                    "paged_steps": stats.get(hook.MODEL, "paged_eager_step")}
 
+    out["fused"] = _fused_vs_plain(st, hook, kernels, lm, tok, ids)
+
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
     runner = object.__new__(DiffusionModelRunner)
@@ -181,7 +245,8 @@ def _child(omni_path: str) -> dict:
     out["refused"] = {
         "message": message,
         "untouched": "_ar_step" not in vars(pipe)
-        and all("forward_und" not in vars(l.self_attn) for l in fresh.model.layers),
+        and all("forward_und" not in vars(l.self_attn) and "_forward_und" not in vars(l)
+                for l in fresh.model.layers),
     }
     return out
 

@@ -212,3 +212,150 @@ def describe(fa_version_setting: str | None = None, head_dim: int = 128) -> str:
                 f"head_dim {head_dim}, VLLM_OMNI_GRAPHDECODE_FA_VERSION={fa_version_setting})")
     detail = f" ({found.detail})" if found.detail else ""
     return f"paged decode kernel: none: {found}{detail}; {found.hint}"
+
+
+# --------------------------------------------------------------------------------------------
+# Fused elementwise ops for the one-token decoder layer.
+# --------------------------------------------------------------------------------------------
+
+# Reasons the decode step runs the model's own (unfused) norms and activation. Not a fallback to
+# eager: the step is still paged and graphed, it just launches more small kernels.
+NO_LAYER_OPS = "vllm's fused RMSNorm/SiLU ops unavailable"
+LAYER_OPS_MISMATCH = "vllm's fused RMSNorm/SiLU ops disagree with the reference"
+HINTS[NO_LAYER_OPS] = "use a CUDA build of vllm (its _C library has rms_norm, " \
+    "fused_add_rms_norm and silu_and_mul)"
+HINTS[LAYER_OPS_MISMATCH] = "report it with the log line; the step runs the model's own norms"
+
+_LAYER_OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+
+
+class LayerOps:
+    """vllm's own CUDA kernels for the elementwise work of a one-token decoder layer.
+
+    At batch 1 a decoder layer's GEMVs read ~380 MB and take ~90 us; the model's Python RMSNorm
+    (cast, square, mean, add, rsqrt, multiply, cast, multiply: 8 launches) and SiLU-and-multiply
+    (2) run ~20 kernels per layer of a few microseconds each, which inside a CUDA graph is still
+    ~2-3 us apiece. These replace each group by one kernel with the same rounding points as the
+    model's code (normalise in fp32, round to the activation dtype, then multiply by the weight in
+    that dtype); only the fp32 sum's order differs, so results agree to within a unit in the last
+    place of bf16, not bit for bit.
+    """
+
+    name = "vllm _C rms_norm / fused_add_rms_norm / silu_and_mul"
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._ops.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> None:
+        """In place: ``residual <- x + residual`` (in x's dtype), ``x <- rms_norm(residual)``."""
+        self._ops.fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up = cat([gate, up], -1)``."""
+        d = gate_up.shape[-1] // 2
+        out = torch.empty(gate_up.shape[:-1] + (d,), dtype=gate_up.dtype, device=gate_up.device)
+        self._ops.silu_and_mul(out, gate_up)
+        return out
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm (vllm-omni 0.24-0.28 ``Qwen3RMSNorm``) with its rounding points."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def select_layer_ops(device, dtype=torch.bfloat16) -> LayerOps | Unavailable:
+    """vllm's fused layer ops on ``device``, checked on a small input against the reference, or
+    why they are not used."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Unavailable(NOT_CUDA, f"device is {device}")
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads vllm's _C library and registers its ops)
+
+        ops = torch.ops._C
+        missing = [n for n in _LAYER_OP_NAMES if not hasattr(ops, n)]
+    except Exception as exc:
+        return Unavailable(NO_LAYER_OPS, f"loading vllm._custom_ops: {exc!r}")
+    if missing:
+        return Unavailable(NO_LAYER_OPS, f"torch.ops._C lacks {', '.join(missing)}")
+    layer_ops = LayerOps(ops)
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(2, 256, generator=gen).to(device, dtype)
+        r = torch.randn(2, 256, generator=gen).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(256, generator=gen)).to(device, dtype)
+        normed = layer_ops.rms_norm(x, w, 1e-6)
+        want_sum, want = x + r, reference_rms_norm(x + r, w, 1e-6)
+        x2, r2 = x.clone(), r.clone()
+        layer_ops.add_rms_norm_(x2, r2, w, 1e-6)
+        act = layer_ops.silu_and_mul(torch.cat([x, r], -1))
+        want_act = torch.nn.functional.silu(x) * r
+        checks = {
+            "rms_norm": (normed, reference_rms_norm(x, w, 1e-6)),
+            "fused_add_rms_norm (sum)": (r2, want_sum),
+            "fused_add_rms_norm (norm)": (x2, want),
+            "silu_and_mul": (act, want_act),
+        }
+        bad = [f"{n}: max diff {(a.float() - b.float()).abs().max().item():.3g}"
+               for n, (a, b) in checks.items()
+               if not torch.allclose(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)]
+    except Exception as exc:
+        return Unavailable(NO_LAYER_OPS, f"running them on {device}: {exc!r}")
+    if bad:
+        return Unavailable(LAYER_OPS_MISMATCH, "; ".join(bad))
+    return layer_ops
+
+
+class _ReferenceLayerOps:
+    """``torch.ops._C``'s three layer ops, same signatures, in plain torch with the model's own
+    rounding: for tests and CPU runs of the fused step (``REFERENCE_LAYER_OPS``)."""
+
+    @staticmethod
+    def rms_norm(out, x, weight, eps):
+        out.copy_(reference_rms_norm(x, weight, eps))
+
+    @staticmethod
+    def fused_add_rms_norm(x, residual, weight, eps):
+        residual.add_(x)
+        x.copy_(reference_rms_norm(residual, weight, eps))
+
+    @staticmethod
+    def silu_and_mul(out, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        out.copy_(torch.nn.functional.silu(gate) * up)
+
+
+REFERENCE_LAYER_OPS = LayerOps(_ReferenceLayerOps())
+REFERENCE_LAYER_OPS.name = "reference (plain torch, tests only)"
+
+
+def reference_qk_norm_rope(q, k, q_weight, k_weight, q_hw_weight, k_hw_weight,
+                           cos_t, sin_t, cos_h, sin_h, cos_w, sin_w, eps):
+    """vllm-omni's ``triton_qk_norm_rope`` contract in plain torch (tests and CPU runs).
+
+    q ``(B, S, Hq, D)``, k ``(B, S, Hk, D)``: the first half of each head is RMS-normed with
+    ``*_weight`` and rotated by the t tables; the second half is normed with ``*_hw_weight``, and
+    its two quarters are rotated by the h and w tables. Returns query, key as ``(B, H, S, D)``.
+    """
+    def rotate(x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def one(x, w_t, w_hw):
+        x_t, x_hw = x.chunk(2, dim=-1)
+        x_t = reference_rms_norm(x_t, w_t, eps).transpose(1, 2)
+        x_hw = reference_rms_norm(x_hw, w_hw, eps).transpose(1, 2)
+        x_h, x_w = x_hw.chunk(2, dim=-1)
+        return torch.cat([rotate(x_t, cos_t, sin_t), rotate(x_h, cos_h, sin_h),
+                          rotate(x_w, cos_w, sin_w)], dim=-1)
+
+    return one(q, q_weight, q_hw_weight), one(k, k_weight, k_hw_weight)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import sys
 import threading
@@ -74,14 +75,21 @@ class Layout:
     rope_param: str
     # the pipeline has vllm-omni's own paged decode (_decode_context, release_captured_graphs)
     in_tree: bool
+    # the decode step computes the rope tables once for all layers and runs the decoder layer's
+    # norms and SiLU through fused kernels (the in-tree layout already computes rope once per
+    # forward and uses F.rms_norm, whose rounding differs from vllm's ops: left as it is)
+    fused_step: bool
+
 
     def rope_input(self, indexes, kwargs):
         return indexes if self.rope_param == "indexes" else kwargs[self.rope_param]
 
 
 LAYOUTS = (
-    Layout("backport", "vllm-omni 0.24, 0.26, 0.28", rope_param="indexes", in_tree=False),
-    Layout("in-tree", "vllm-omni 0.30", rope_param="position_embeddings", in_tree=True),
+    Layout("backport", "vllm-omni 0.24, 0.26, 0.28", rope_param="indexes", in_tree=False,
+           fused_step=True),
+    Layout("in-tree", "vllm-omni 0.30", rope_param="position_embeddings", in_tree=True,
+           fused_step=False),
 )
 
 # Leading parameters of everything patched or called, identical across LAYOUTS (0.30's _ar_step
@@ -360,7 +368,8 @@ class PagedDecoder:
     """
 
     def __init__(self, language_model, *, kernel, buckets, graphs: bool = True,
-                 verify: bool = False, pool=None, layout: Layout | None = None):
+                 verify: bool = False, pool=None, layout: Layout | None = None,
+                 fusion: "Fusion | None" = None):
         self.lm = language_model
         self.layout = layout or detect_layout(language_model)
         _check_model(language_model, self.layout)
@@ -380,6 +389,8 @@ class PagedDecoder:
         self.input_ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         # rows: t, h, w rope indexes; decode tokens are text, so h = w = 0 (as _ar_step builds)
         self.indexes = torch.zeros(3, 1, dtype=torch.long, device=self.device)
+        self.fusion = fusion or Fusion(language_model, self.layout, self.device,
+                                       next(language_model.parameters()).dtype)
 
     @property
     def num_graphs(self) -> int:
@@ -391,7 +402,7 @@ class PagedDecoder:
 
     def _forward(self) -> torch.Tensor:
         return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
-                       use_cache=False, **{PAGED_KWARG: self.cache}).logits
+                       use_cache=False, **{PAGED_KWARG: _Step(self.cache, self.fusion)}).logits
 
     def _ensure(self, length: int, dtype) -> None:
         if self.cache is not None and self.cache.fits(self.num_layers, self.kv_heads,
@@ -462,26 +473,38 @@ class PagedDecoder:
 
 
 def patch_attention(language_model, layout: Layout) -> None:
-    """Give every attention layer the paged single-token branch. Idempotent."""
+    """Give every attention layer the paged single-token branch and every decoder layer its
+    fused one-token variant. Idempotent; both are inert without ``PAGED_KWARG``."""
     for attn in _attention_modules(language_model):
         current = attn.forward_und
-        if getattr(current, "__graphdecode__", False):
-            continue
-        attn.forward_und = _paged_forward_und(attn, current, layout)
+        if not getattr(current, "__graphdecode__", False):
+            attn.forward_und = _paged_forward_und(attn, current, layout)
+    if layout.fused_step:
+        for layer in language_model.model.layers:
+            current = layer._forward_und
+            if not getattr(current, "__graphdecode__", False):
+                layer._forward_und = _fused_layer_forward_und(layer, current)
 
 
 def _paged_forward_und(attn, original, layout: Layout):
     @functools.wraps(original)
     def forward_und(hidden_states, indexes, attention_mask, past_key_values=None, **kwargs):
-        paged = kwargs.get(PAGED_KWARG)
-        if paged is None:
+        step = kwargs.get(PAGED_KWARG)
+        if step is None:
             return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
         # One query token attends to every valid cached key, so the mask (all zeros in 0.24-0.28,
         # None in 0.30) carries nothing and is not read.
-        query, key, value = attn._project_and_rope(
-            hidden_states, layout.rope_input(indexes, kwargs), attn.qkv_proj, attn.q_norm,
-            attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
-        out = paged.attend(attn.layer_idx, query, key, value, attn.scaling)
+        rope_kernel = step.fusion.rope_kernel
+        if rope_kernel is not None:
+            if step.rope is None:  # the first layer of this step: the tables every layer uses
+                step.rope = _rope_tables(attn, hidden_states, indexes)
+            query, key, value = _project_and_rope_once(attn, hidden_states, step.rope,
+                                                       rope_kernel)
+        else:
+            query, key, value = attn._project_and_rope(
+                hidden_states, layout.rope_input(indexes, kwargs), attn.qkv_proj, attn.q_norm,
+                attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
+        out = step.cache.attend(attn.layer_idx, query, key, value, attn.scaling)
         out, _ = attn.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
         return out
 
@@ -490,14 +513,213 @@ def _paged_forward_und(attn, original, layout: Layout):
 
 
 # --------------------------------------------------------------------------------------------
+# The fused one-token step (backport layout). At batch 1 a SenseNova-U1 decoder layer's four
+# GEMVs read ~380 MB (~90 us at the H200's bandwidth); around them the model's Python code
+# launches ~50 small kernels (three rope-table computations of ~10 kernels each, two RMSNorms of
+# 8, SiLU-and-multiply, residual adds), 2-3 us each even inside a CUDA graph: about half of a
+# graphed step. The step computes the rope tables once for all 42 layers (bit-identical: every
+# layer's tables are the same function of the same index, checked at construction) and runs the
+# layer's norms and activation through vllm's fused kernels (``kernels.LayerOps``; same rounding
+# points, fp32 sum order differs). Everything else (the projections, LoRA wrappers included, the
+# qk-norm + rope kernel, attention) is the model's own modules.
+# --------------------------------------------------------------------------------------------
+
+class _Step:
+    """``PAGED_KWARG``'s value for one decode step: the paged cache, what is fused, and the rope
+    tables once the first layer has computed them."""
+
+    __slots__ = ("cache", "fusion", "rope")
+
+    def __init__(self, cache, fusion: "Fusion"):
+        self.cache = cache
+        self.fusion = fusion
+        self.rope = None
+
+
+UNFUSED = "decode step unfused"
+
+
+class Fusion:
+    """What the decode step fuses for this model on this device, and why not where it does not.
+
+    ``rope_kernel``: vllm-omni's own qk-norm + rope kernel, fed tables computed once per step, or
+    None (each layer computes its own, as the model does). ``layer_ops``: ``kernels.LayerOps`` or
+    None (the model's own norms and activation). ``reasons``: why a part is off.
+    """
+
+    def __init__(self, language_model, layout: Layout, device, dtype=torch.bfloat16):
+        self.rope_kernel = None
+        self.layer_ops = None
+        self.reasons: list[str] = []
+        if not layout.fused_step:
+            self.reasons.append(f"{layout.name} layout runs the model's own step")
+            return
+        if torch.device(device).type != "cuda":
+            self.reasons.append(f"not CUDA ({device})")
+            return
+        rope = _rope_once_kernel(language_model)
+        if isinstance(rope, str):
+            self.reasons.append(f"rope per layer: {rope}")
+        else:
+            self.rope_kernel = rope
+        why = _layers_not_fusable(language_model)
+        ops = kernels.select_layer_ops(device, dtype) if why is None else None
+        if why is not None:
+            self.reasons.append(f"model's own norms: {why}")
+        elif isinstance(ops, kernels.Unavailable):
+            self.reasons.append(f"model's own norms: {ops}" + (f" ({ops.detail})"
+                                                               if ops.detail else ""))
+        else:
+            self.layer_ops = ops
+
+    @classmethod
+    def off(cls, reason: str = "turned off") -> "Fusion":
+        """The model's own step (tests compare the fused step with it)."""
+        fusion = cls.__new__(cls)
+        fusion.rope_kernel, fusion.layer_ops, fusion.reasons = None, None, [reason]
+        return fusion
+
+    @classmethod
+    def reference(cls, language_model) -> "Fusion":
+        """The fused step's structure with plain-torch kernels, on any device (tests, CPU)."""
+        fusion = cls.off()
+        fusion.reasons = []
+        fusion.rope_kernel = kernels.reference_qk_norm_rope
+        fusion.layer_ops = kernels.REFERENCE_LAYER_OPS
+        why = _rope_once_kernel(language_model, kernel=kernels.reference_qk_norm_rope)
+        if isinstance(why, str):
+            raise HookRefused(f"rope once per step: {why}")
+        why = _layers_not_fusable(language_model)
+        if why is not None:
+            raise HookRefused(f"fused norms: {why}")
+        return fusion
+
+    def describe(self) -> str:
+        parts = []
+        if self.rope_kernel is not None:
+            parts.append("rope once per step")
+        if self.layer_ops is not None:
+            parts.append("fused norms + SiLU")
+        done = " + ".join(parts) if parts else "unfused"
+        return done + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
+
+
+_ROPE_ATTRS = ("q_size", "kv_size", "num_heads", "num_kv_heads", "head_dim", "config",
+               "rotary_emb", "rotary_emb_hw")
+
+
+def _rope_once_kernel(language_model, kernel=None):
+    """vllm-omni's fused qk-norm + rope function (or ``kernel``), when one set of rope tables
+    serves every layer; else why not (a string)."""
+    attns = _attention_modules(language_model)
+    first = attns[0]
+    missing = [a for a in _ROPE_ATTRS if not hasattr(first, a)]
+    if missing:
+        return f"attention lacks {', '.join(missing)}"
+    if not hasattr(first.config, "rms_norm_eps"):
+        return "config lacks rms_norm_eps"
+    for name in ("rotary_emb", "rotary_emb_hw"):
+        ref = getattr(first, name)
+        if not torch.is_tensor(getattr(ref, "inv_freq", None)):
+            return f"{name} has no inv_freq"
+        for attn in attns[1:]:
+            mod = getattr(attn, name, None)
+            if (type(mod) is not type(ref) or "forward" in vars(mod)
+                    or getattr(mod, "attention_scaling", None)
+                    != getattr(ref, "attention_scaling", None)
+                    or not torch.equal(mod.inv_freq, ref.inv_freq)):
+                return f"layer {attn.layer_idx}'s {name} differs from layer 0's"
+    if kernel is not None:
+        return kernel
+    package = type(first).__module__.rpartition(".")[0]
+    try:
+        return importlib.import_module(f"{package}.fused_rmsnorm_rope").triton_qk_norm_rope
+    except (ImportError, AttributeError) as exc:
+        return f"vllm-omni's fused qk-norm + rope kernel not importable ({exc!r})"
+
+
+def _rope_tables(attn, hidden_states, indexes):
+    """(cos, sin) for the t, h and w rope of this token: what ``_project_and_rope`` computes in
+    every layer, computed the same way once."""
+    return (attn.rotary_emb(hidden_states, indexes[0].unsqueeze(0)),
+            attn.rotary_emb_hw(hidden_states, indexes[1].unsqueeze(0)),
+            attn.rotary_emb_hw(hidden_states, indexes[2].unsqueeze(0)))
+
+
+def _project_and_rope_once(attn, hidden_states, rope, rope_kernel):
+    """The backport layout's ``_project_and_rope`` on its fused-kernel path, with given tables."""
+    shape = hidden_states.shape[:-1]
+    qkv, _ = attn.qkv_proj(hidden_states)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(*shape, attn.num_heads, attn.head_dim)
+    k = k.view(*shape, attn.num_kv_heads, attn.head_dim)
+    v = v.view(*shape, attn.num_kv_heads, attn.head_dim)
+    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = rope
+    query, key = rope_kernel(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm_hw.weight,
+                             attn.k_norm_hw.weight, cos_t, sin_t, cos_h, sin_h, cos_w, sin_w,
+                             attn.config.rms_norm_eps)
+    return query, key, v.transpose(1, 2)
+
+
+def _layers_not_fusable(language_model) -> str | None:
+    for i, layer in enumerate(language_model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, name, None)
+            if not (torch.is_tensor(getattr(norm, "weight", None))
+                    and isinstance(getattr(norm, "variance_epsilon", None), float)):
+                return f"layer {i}'s {name} is not an RMSNorm with weight and variance_epsilon"
+            if norm._forward_hooks or norm._forward_pre_hooks:
+                return f"layer {i}'s {name} has forward hooks"
+        mlp = getattr(layer, "mlp", None)
+        if not all(hasattr(mlp, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
+            return f"layer {i}'s mlp lacks gate_up_proj, down_proj or act_fn"
+        if not _is_silu(mlp.act_fn):
+            return f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
+        if "forward" in vars(mlp) or mlp._forward_hooks or mlp._forward_pre_hooks:
+            return f"layer {i}'s mlp forward is replaced or hooked"
+    return None
+
+
+def _is_silu(act) -> bool:
+    """torch's SiLU, or transformers' ``SiLUActivation`` (what ``ACT2FN["silu"]`` gives), with
+    its forward not replaced."""
+    return ((isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation")
+            and "forward" not in vars(act))
+
+
+def _fused_layer_forward_und(layer, original):
+    @functools.wraps(original)
+    def _forward_und(hidden_states, indexes, attention_mask, past_key_values, **kwargs):
+        step = kwargs.get(PAGED_KWARG)
+        ops = step.fusion.layer_ops if step is not None else None
+        if ops is None:
+            return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
+        ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        x = ops.rms_norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        x = layer.self_attn(x, image_gen_indicators=None, exist_und=True, exist_gen=False,
+                            indexes=indexes, attention_mask=attention_mask,
+                            past_key_values=past_key_values, **kwargs)
+        # hidden_states <- hidden_states + x (the residual stream), x <- its post-attention norm.
+        # hidden_states is this step's own tensor: the embedding or the previous layer's output.
+        ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
+        gate_up, _ = mlp.gate_up_proj(x)
+        out, _ = mlp.down_proj(ops.silu_and_mul(gate_up))
+        return hidden_states + out
+
+    _forward_und.__graphdecode__ = True
+    return _forward_und
+
+
+# --------------------------------------------------------------------------------------------
 # Per-pipeline state and per-request sessions.
 # --------------------------------------------------------------------------------------------
 
 class _State:
-    def __init__(self, pipeline, layout: Layout, cfg, kernel, graphs: bool):
+    def __init__(self, pipeline, layout: Layout, cfg, kernel, graphs: bool, fusion: "Fusion"):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
+        self.fusion = fusion
         self.cfg = cfg
         self.kernel = kernel
         self.graphs = graphs
@@ -520,7 +742,7 @@ class _State:
         if self.decoder is None:
             self.decoder = PagedDecoder(self.lm, kernel=self.kernel, buckets=self.cfg.buckets,
                                         graphs=self.graphs, verify=self.cfg.verify,
-                                        layout=self.layout)
+                                        layout=self.layout, fusion=self.fusion)
         return self.decoder
 
     def open(self, past_key_values, think: bool) -> _Session | None:
@@ -714,7 +936,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     if graphs is None:
         graphs = (isinstance(kernel, kernels.Kernel) and kernel.capturable
                   and device.type == "cuda")
-    state = _State(pipeline, layout, cfg, kernel, graphs)
+    fusion = Fusion(lm, layout, device, next(lm.parameters()).dtype)
+    if fusion.reasons and layout.fused_step and device.type == "cuda":
+        stats.degraded(MODEL, UNFUSED, "a CUDA build of vllm and vllm-omni's Triton qk-norm + "
+                       "rope kernel (see the detail)", "; ".join(fusion.reasons))
+    state = _State(pipeline, layout, cfg, kernel, graphs, fusion)
 
     # From here on nothing is checked any more: patch.
     patch_attention(lm, layout)
@@ -738,7 +964,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     tail = paged_decode.tail_step(cfg.buckets)
     taken = "; in-tree decode context taken over" if layout.in_tree else ""
     return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode paged "
-            f"({what}); buckets {buckets} (+{tail} tail){taken}; {state.precapture()}")
+            f"({what}; step {fusion.describe()}); buckets {buckets} (+{tail} tail){taken}; "
+            f"{state.precapture()}")
 
 
 def _wrap_loop(state: _State, original, think: bool):
