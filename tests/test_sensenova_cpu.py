@@ -462,3 +462,18 @@ def test_graph_runners_shim_keeps_entries_and_releases_on_clear(tiny):
     if hasattr(runner, "graph_runners"):  # the worker's own line
         runner.graph_runners.clear()
     assert _state(pipe).decoder is None and runner.graph_runners == {}
+
+
+def test_a_degraded_graph_path_is_counted_and_warned_once(caplog):
+    """What install() reports on a GPU where the fused step is unavailable (the path still runs
+    paged and graphed, so it is not an eager fallback, but it is counted and says what to do)."""
+    stats.reset()
+    with caplog.at_level("WARNING", logger=stats.logger.name):
+        for _ in range(3):
+            stats.degraded(hook.MODEL, hook.UNFUSED, "a CUDA build of vllm", "not CUDA (cpu)")
+    lines = [r.getMessage() for r in caplog.records if r.name == stats.logger.name]
+    assert lines == ["graphdecode: sensenova_u1 runs the graph path without an optimisation: "
+                     "decode step unfused (not CUDA (cpu)). To get it: a CUDA build of vllm. "
+                     "(logged once per process; counted in stats)"]
+    assert stats.fallbacks(hook.MODEL) == {"sensenova_u1: decode step unfused": 3}
+    stats.reset()

@@ -33,6 +33,17 @@ def fallback(model: str, reason: str, hint: str, detail: str = "") -> None:
 
     ``hint`` says what to change to get the fast path; ``detail`` is context for the first log line.
     """
+    _record(model, reason, "runs eagerly", "To use the graph path", hint, detail)
+
+
+def degraded(model: str, reason: str, hint: str, detail: str = "") -> None:
+    """Record that ``model``'s graph path runs without one of its optimisations (counted under
+    ``reason`` with the fallbacks, logged once the same way)."""
+    _record(model, reason, "runs the graph path without an optimisation", "To get it", hint,
+            detail)
+
+
+def _record(model, reason, what, to_get, hint, detail) -> None:
     key = (model, reason)
     with _lock:
         _fallbacks[key] += 1
@@ -40,8 +51,8 @@ def fallback(model: str, reason: str, hint: str, detail: str = "") -> None:
         _warned.add(key)
     if first:
         extra = f" ({detail})" if detail else ""
-        logger.warning("graphdecode: %s runs eagerly: %s%s. To use the graph path: %s. "
-                       "(logged once per process; counted in stats)", model, reason, extra, hint)
+        logger.warning("graphdecode: %s %s: %s%s. %s: %s. (logged once per process; counted in "
+                       "stats)", model, what, reason, extra, to_get, hint)
 
 
 def wired(line: str) -> None:
