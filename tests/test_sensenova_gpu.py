@@ -167,6 +167,24 @@ def test_gpu_vllm_layer_ops_agree_with_the_models_rounding_at_the_real_width(gpu
     assert close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(x) * r)
 
 
+def test_gpu_one_kernel_kv_write_equals_index_copy():
+    writer = kernels.select_kv_writer("cuda")
+    assert isinstance(writer, kernels.KVWriter), f"{writer} ({writer.detail})"
+    torch.manual_seed(0)
+    k_cache = torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slot = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for s in (0, 15, 16, 517, 1023):
+        slot.fill_(s)
+        qkv = torch.randn(1, 1, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+        key, value = qkv[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)  # as the model
+        writer(key[:, :, 0], value[:, :, 0], k_cache, v_cache, slot)
+        k_ref.view(-1, 8, 128).index_copy_(0, slot, key[0, :, 0].unsqueeze(0))
+        v_ref.view(-1, 8, 128).index_copy_(0, slot, value[0, :, 0].unsqueeze(0))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_gpu_fused_step_matches_the_models_own_step(gpu):
     """Fused step (rope once, vllm's fused norms + SiLU) vs the model's own step, both paged on
     the same kernel without graphs, fed the same tokens for 200 steps across two buckets. Rope is
@@ -174,7 +192,8 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
     within bf16 rounding carried through the layers: 2% of the largest logit."""
     layout = _fused_layout(gpu)
     fusion = hook.Fusion(gpu.lm, layout, "cuda")
-    assert fusion.describe() == "rope once per step + fused norms + SiLU"
+    assert fusion.describe() == ("rope once per step + fused norms + SiLU + one-kernel K/V "
+                                 "write")
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
     _, cache_plain, _ = st.prefill(pipe, gpu.ids)

@@ -359,3 +359,49 @@ def reference_qk_norm_rope(q, k, q_weight, k_weight, q_hw_weight, k_hw_weight,
                           rotate(x_w, cos_w, sin_w)], dim=-1)
 
     return one(q, q_weight, q_hw_weight), one(k, k_weight, k_hw_weight)
+
+
+NO_KV_WRITER = "vllm's reshape_and_cache_flash unavailable"
+HINTS[NO_KV_WRITER] = "use a CUDA build of vllm (its _C library has reshape_and_cache_flash)"
+
+
+class KVWriter:
+    """One token's K and V into the paged buffers with vllm's ``reshape_and_cache_flash``: one
+    kernel per layer where two ``index_copy_`` ran (84 launches a token at 42 layers). A copy, so
+    bit-identical to the ``index_copy_`` path. Called as ``writer(key, value, k_cache, v_cache,
+    slot)``: key/value ``(1, kv_heads, head_dim)``, caches ``(blocks, block_size, kv_heads,
+    head_dim)``, slot a ``(1,)`` int64 device tensor (read at replay)."""
+
+    name = "vllm _C_cache_ops reshape_and_cache_flash"
+
+    def __init__(self, op, device):
+        self._op = op
+        # Scales of an unquantized ("auto") cache: unused by the kernel, but it takes tensors.
+        self._scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def __call__(self, key, value, k_cache, v_cache, slot) -> None:
+        self._op(key, value, k_cache, v_cache, slot, "auto", self._scale, self._scale)
+
+
+def select_kv_writer(device, dtype=torch.bfloat16) -> KVWriter | Unavailable:
+    """vllm's one-kernel K/V writer on ``device``, checked against ``index_copy_``, or why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Unavailable(NOT_CUDA, f"device is {device}")
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C_cache_ops)
+
+        writer = KVWriter(torch.ops._C_cache_ops.reshape_and_cache_flash, device)
+        k_cache = torch.zeros(4, 16, 2, 64, dtype=dtype, device=device)
+        v_cache = torch.zeros_like(k_cache)
+        key = torch.randn(1, 2, 64, device=device).to(dtype)
+        value = torch.randn(1, 2, 64, device=device).to(dtype)
+        writer(key, value, k_cache, v_cache, torch.tensor([37], device=device))
+        ok = (torch.equal(k_cache.view(-1, 2, 64)[37], key[0])
+              and torch.equal(v_cache.view(-1, 2, 64)[37], value[0])
+              and int(torch.count_nonzero(k_cache)) == int(torch.count_nonzero(key)))
+    except Exception as exc:
+        return Unavailable(NO_KV_WRITER, repr(exc)[:200])
+    if not ok:
+        return Unavailable(NO_KV_WRITER, "it wrote elsewhere than index_copy_ does")
+    return writer

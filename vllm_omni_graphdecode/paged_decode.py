@@ -77,7 +77,8 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, dtype, device,
-                 buckets: Sequence[int], kernel: Callable, length: int = 1):
+                 buckets: Sequence[int], kernel: Callable, length: int = 1,
+                 writer: Callable | None = None):
         if any(b % BLOCK_SIZE for b in buckets):
             raise ValueError(f"buckets must be multiples of {BLOCK_SIZE}: {tuple(buckets)}")
         self.num_layers = num_layers
@@ -87,6 +88,9 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.buckets = tuple(buckets)
         self.kernel = kernel
+        # writer(key, value, k_cache, v_cache, slot) stores one token's (1, kv_heads, head_dim)
+        # K and V at ``slot`` (kernels.KVWriter: one kernel); None: two index_copy_ kernels.
+        self.writer = writer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.capacity = 0
@@ -205,8 +209,12 @@ class PagedKVCache:
         query ``(1, q_heads, 1, head_dim)``; key/value ``(1, kv_heads, 1, head_dim)`` (the
         [batch, heads, seq, dim] layout of HF-style attention). Returns ``(1, q_heads, head_dim)``.
         """
-        _flat(self.k[layer_idx]).index_copy_(0, self.slot, key[0, :, 0].unsqueeze(0))
-        _flat(self.v[layer_idx]).index_copy_(0, self.slot, value[0, :, 0].unsqueeze(0))
+        if self.writer is not None:
+            self.writer(key[:, :, 0], value[:, :, 0], self.k[layer_idx], self.v[layer_idx],
+                        self.slot)
+        else:
+            _flat(self.k[layer_idx]).index_copy_(0, self.slot, key[0, :, 0].unsqueeze(0))
+            _flat(self.v[layer_idx]).index_copy_(0, self.slot, value[0, :, 0].unsqueeze(0))
         heads = query.shape[1]
         q = query[0].transpose(0, 1).reshape(1, heads, self.head_dim)
         return self.kernel(q, self.k[layer_idx], self.v[layer_idx],

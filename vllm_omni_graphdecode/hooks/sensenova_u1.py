@@ -411,7 +411,8 @@ class PagedDecoder:
         self.release()
         self.cache = paged_decode.PagedKVCache(
             self.num_layers, self.kv_heads, self.head_dim, dtype=dtype, device=self.device,
-            buckets=self.buckets, kernel=self.kernel, length=length)
+            buckets=self.buckets, kernel=self.kernel, length=length,
+            writer=self.fusion.kv_writer)
         self.runner = paged_decode.DecodeGraphRunner(
             self._forward, self.cache, model=MODEL, graphs=self.graphs, verify=self.verify,
             pool=self.pool)
@@ -550,7 +551,14 @@ class Fusion:
     def __init__(self, language_model, layout: Layout, device, dtype=torch.bfloat16):
         self.rope_kernel = None
         self.layer_ops = None
+        self.kv_writer = None
         self.reasons: list[str] = []
+        if torch.device(device).type == "cuda":
+            writer = kernels.select_kv_writer(device, dtype)
+            if isinstance(writer, kernels.Unavailable):
+                self.reasons.append(f"two-kernel K/V write: {writer} ({writer.detail})")
+            else:
+                self.kv_writer = writer
         if not layout.fused_step:
             self.reasons.append(f"{layout.name} layout runs the model's own step")
             return
@@ -576,7 +584,8 @@ class Fusion:
     def off(cls, reason: str = "turned off") -> "Fusion":
         """The model's own step (tests compare the fused step with it)."""
         fusion = cls.__new__(cls)
-        fusion.rope_kernel, fusion.layer_ops, fusion.reasons = None, None, [reason]
+        fusion.rope_kernel, fusion.layer_ops, fusion.kv_writer = None, None, None
+        fusion.reasons = [reason]
         return fusion
 
     @classmethod
@@ -600,6 +609,8 @@ class Fusion:
             parts.append("rope once per step")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
+        if self.kv_writer is not None:
+            parts.append("one-kernel K/V write")
         done = " + ".join(parts) if parts else "unfused"
         return done + (f" ({'; '.join(self.reasons)})" if self.reasons else "")
 
