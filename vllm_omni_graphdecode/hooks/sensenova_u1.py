@@ -13,6 +13,9 @@ What this wires, per pipeline, at load (``loading`` calls ``wire``):
   (``PAGED_KWARG``): it projects and ropes as before, then attends through
   ``paged_decode.PagedKVCache``. The branch is keyed on the keyword, not on ``attention_mask is
   None``: vllm-omni 0.24-0.28 pass an all-zeros mask for one query token;
+- on 0.24-0.28 each decoder layer's ``_forward_und`` gets a fused one-token variant under the same
+  keyword (``Fusion``: rope tables once per step, vllm's fused RMSNorm / add+RMSNorm / SiLU-and-
+  multiply, one-kernel K/V write), which halves the kernels a graphed step launches;
 - ``_generate_think`` / ``_generate_text`` open a decode session from the prefill cache,
   ``_ar_step`` runs through it, and ``_append_text_tokens_to_cache`` (the think path's next reader
   of the cache) first gets the decoded K/V written back;
