@@ -1,6 +1,8 @@
 """Benchmarks that decide the plugin's defaults. Prints JSON; writes JSON + PNG to --out.
 
     python benchmarks/bench.py --out DIR [--cases sensenova_decode,qwen_image_21_step,memory]
+    python benchmarks/bench.py --out DIR --cases profile,memory     (where the time goes; ~4 min)
+    python benchmarks/bench.py --out DIR --cases attention [--fa 3,2]  (paged-attention kernels)
 
 Every side of a comparison runs in this one process, on random weights at the real layer shapes
 (bf16), timed with CUDA events, warm-up excluded, median of repeats; the ceilings (copy bandwidth,
@@ -17,7 +19,16 @@ Cases (names as in the result rows):
       QwenImage21Transformer2DModel, eager vs the plugin's graph. Floor: the step's FLOPs over the
       measured bf16 matmul rate.
   memory_*: device memory after each of 20 requests, capture time, first-request latency with and
-      without pre-capture.
+      without pre-capture (``--memory-steps`` tokens per request).
+  profile_*: a summary row per profile; the profiles themselves (kernels per step, GPU busy vs
+      wall, time by kernel category, top kernels, achieved GEMM bandwidth) go to
+      ``profile-<tag>.json`` and a table on stderr (``profile_step.py``).
+  attention_paged_decode_ctxN: one paged decode attention call, FA3 / FA2 / FlashInfer, as graph
+      replays (``attention_kernels.py``).
+
+The SenseNova-U1 model (17.5 B random parameters) is built once per process and shared by the
+cases that use it; it is dropped before the Qwen-Image-2.1 parts when no later case needs it, so
+memory readings stay comparable with a run of one case.
 """
 
 from __future__ import annotations
@@ -34,8 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import profile_step  # noqa: E402
 from plot import plot  # noqa: E402
-from vllm_omni_graphdecode import config, stats  # noqa: E402
+from vllm_omni_graphdecode import config, kernels, stats  # noqa: E402
 from vllm_omni_graphdecode import random_models as rm  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 
@@ -43,8 +55,43 @@ SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_di
                        intermediate=12288, vocab=151936)
 
 
+LM_CASES = ("sensenova_decode", "profile", "memory")  # cases that use the SenseNova-U1 model
+_shared: dict = {}
+
+
 def log(msg):
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sensenova_model():
+    """(language model, tokenizer) at SENSENOVA_SHAPE, built once per process; the end token's
+    lm_head row is zero so every loop runs its full length."""
+    if "lm" not in _shared:
+        start = time.perf_counter()
+        lm = rm.build_lm(rm.llm_config(**SENSENOVA_SHAPE), device="cuda", dtype=torch.bfloat16,
+                         seed=0, on_device_init=True)
+        tok = rm.build_tokenizer(SENSENOVA_SHAPE["vocab"])
+        with torch.no_grad():
+            lm.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")].zero_()
+        torch.cuda.synchronize()
+        _shared.update(lm=lm, tok=tok)
+        log(f"SenseNova-U1 model built in {time.perf_counter() - start:.1f} s")
+    return _shared["lm"], _shared["tok"]
+
+
+def release_model_unless_needed(args):
+    """Drop the shared model when no case after the current one uses it."""
+    if "lm" in _shared and not any(c in LM_CASES for c in args.pending):
+        _shared.clear()
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(env) -> float:
+    if "copy_bandwidth" not in _shared:
+        _shared["copy_bandwidth"] = common.copy_bandwidth_bytes_per_s()
+        env["copy_bandwidth_tb_s"] = round(_shared["copy_bandwidth"] / 1e12, 3)
+        log(f"copy bandwidth {_shared['copy_bandwidth'] / 1e12:.2f} TB/s")
+    return _shared["copy_bandwidth"]
 
 
 # ------------------------------------------------------------------ SenseNova-U1 decode
@@ -82,15 +129,8 @@ def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3):
 
 def bench_sensenova(args, rows, env):
     is_030 = rm.has_intree_paged_decode()
-    lm = rm.build_lm(rm.llm_config(**SENSENOVA_SHAPE), device="cuda", dtype=torch.bfloat16,
-                     seed=0, on_device_init=True)
-    tok = rm.build_tokenizer(SENSENOVA_SHAPE["vocab"])
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    with torch.no_grad():
-        lm.lm_head.weight[eos].zero_()  # the loop must run its full length, not stop at EOS
-    bw = common.copy_bandwidth_bytes_per_s()
-    env["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    lm, tok = sensenova_model()
+    bw = copy_bandwidth(env)
     steps = args.steps
     for ctx in args.contexts:
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
@@ -108,7 +148,11 @@ def bench_sensenova(args, rows, env):
             log(f"ctx {ctx}: vllm-omni 0.30 in-tree {intree:.2f} ms/token")
             rows.append(common.case(f"sensenova_decode_ctx{ctx}_intree", eager, intree, floor,
                                     side="vllm-omni 0.30 in-tree paged decode (FA2)"))
-        for fa in args.fa:
+        # The fused step's share: the first FA version once more with the model's own step.
+        variants = [(fa, True) for fa in args.fa] + ([(args.fa[0], False)]
+                                                      if args.fa and not is_030 else [])
+        for fa, fused in variants:
+            name = f"sensenova_decode_ctx{ctx}_fa{fa}" + ("" if fused else "_unfused")
             cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                                 "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
                                 "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
@@ -118,20 +162,25 @@ def bench_sensenova(args, rows, env):
             try:
                 summary = sensenova_u1.install(pipe, cfg)
             except Exception as exc:
-                rows.append(common.case(f"sensenova_decode_ctx{ctx}_fa{fa}", eager, None, floor,
-                                        error=repr(exc)))
+                rows.append(common.case(name, eager, None, floor, error=repr(exc)))
                 continue
+            state = getattr(pipe, sensenova_u1._STATE_ATTR)
+            if not fused:
+                state.fusion = sensenova_u1.Fusion.off("benchmark: the model's own step")
+                state._drop_decoder()  # none yet (no pre-capture); a decoder takes its fusion
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             snap = stats.snapshot()
-            log(f"ctx {ctx}: ours FA{fa} {ours:.2f} ms/token ({summary}; {snap['counters']})")
-            rows.append(common.case(f"sensenova_decode_ctx{ctx}_fa{fa}", eager, ours, floor,
-                                    side=f"plugin paged + graph, FA{fa}",
+            step = state.fusion.describe()
+            log(f"ctx {ctx}: ours FA{fa} {ours:.2f} ms/token, step {step} ({summary}; "
+                f"{snap['counters']})")
+            rows.append(common.case(name, eager, ours, floor,
+                                    side=f"plugin paged + graph, FA{fa}, step {step}",
                                     counters=snap["counters"], fallbacks=snap["fallbacks"]))
             pipe.release_captured_graphs()
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
     del lm
-    torch.cuda.empty_cache()
+    release_model_unless_needed(args)
 
 
 # ------------------------------------------------------------------ Qwen-Image-2.1 cached step
@@ -185,15 +234,15 @@ def _mib(x):
 
 
 def bench_memory(args, rows, env):
-    """Device memory after each of 20 requests, capture cost, first-request latency."""
+    """Device memory after each of 20 requests, capture cost, first-request latency.
+
+    Both pre-capture settings share one model (built once per process). ``--memory-steps``
+    tokens per request (default 24, ~0.25 s at ~10 ms/token): memory and first-request capture
+    cost do not depend on the request's length, and 48 made the case outlast the job's limit.
+    """
     is_030 = rm.has_intree_paged_decode()
-    shape = dict(SENSENOVA_SHAPE)
-    lm = rm.build_lm(rm.llm_config(**shape), device="cuda", dtype=torch.bfloat16, seed=0,
-                     on_device_init=True)
-    tok = rm.build_tokenizer(shape["vocab"])
-    with torch.no_grad():
-        lm.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")].zero_()
-    steps = 48
+    lm, tok = sensenova_model()
+    steps = args.memory_steps
 
     def request(pipe, ctx, seed):
         logits, make_cache = rm.random_prefix(lm, ctx, seed=seed)
@@ -234,14 +283,16 @@ def bench_memory(args, rows, env):
             first_request_ms_per_token=first, first_vs_steady=round(first / steady, 3),
             wire_seconds=wire_s, wire_mib=wire_mib, memory_mib_after_request=mem,
             growth_5_to_20_mib=round(mem[-1] - mem[4], 1),
+            tokens_per_request=steps,
             counters=stats.snapshot()["counters"], fallbacks=stats.snapshot()["fallbacks"]))
         log(f"precapture={precapture}: first {first:.2f} ms/token, steady {steady:.2f}; "
             f"memory 5->20 {mem[4]} -> {mem[-1]} MiB")
         pipe.release_captured_graphs()
         del pipe
         torch.cuda.empty_cache()
+        _write(args, rows, env)  # a cut-off run keeps the finished half
     del lm
-    torch.cuda.empty_cache()
+    release_model_unless_needed(args)
     if is_030:
         return
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
@@ -275,41 +326,157 @@ def bench_memory(args, rows, env):
     torch.cuda.empty_cache()
 
 
+# ------------------------------------------------------------------ profiles
+
+QWEN_PROFILE_TARGET = (64, 64)  # t2i 1024x1024
+
+
+def bench_profile(args, rows, env):
+    """Where the time goes (profile_step.py): the plugin's graphed decode step and the eager loop
+    at the real SenseNova-U1 shape, and one Qwen-Image-2.1 cached step at t2i 1024."""
+    is_030 = rm.has_intree_paged_decode()
+    path = os.path.join(args.out, f"profile-{args.tag}.json")
+    result = {"environment": env, "profiles": {}}
+    profiles = result["profiles"]
+    ctx = args.profile_context
+
+    def save(name, fn):
+        start = time.perf_counter()
+        try:
+            profiles[name] = fn()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            profiles[name] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        log(f"profile {name}: {time.perf_counter() - start:.1f} s")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+    lm, tok = sensenova_model()
+    device = next(lm.parameters()).device
+    bw = copy_bandwidth(env)
+    fa = args.fa[0] if args.fa else "3"
+    kernel = kernels.select_kernel(device, lm.config.head_dim, fa)
+    buckets = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}).buckets
+    prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
+    floor = sensenova_read_bytes(lm, ctx) / bw * 1e3
+    result["sensenova"] = {"context": ctx, "kernel": str(getattr(kernel, "name", kernel)),
+                           "buckets": list(buckets), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
+                           "floor_ms_per_token": round(floor, 4)}
+    if isinstance(kernel, kernels.Kernel):
+        save(f"sensenova_graph_ctx{ctx}", lambda: profile_step.profile_sensenova_graph(
+            lm, kernel, prefix_logits, make_cache, ctx, steps=args.profile_steps,
+            buckets=buckets, copy_bytes_per_s=bw, device_type=device.type))
+    else:
+        profiles[f"sensenova_graph_ctx{ctx}"] = {"error": f"no paged kernel: {kernel}"}
+
+    def eager():
+        if is_030:
+            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
+        pipe = rm.build_pipeline(lm, tok, device=device.type)
+        return profile_step.profile_sensenova_eager(
+            pipe, prefix_logits, make_cache, ctx, steps=args.profile_eager_steps, lm=lm,
+            copy_bytes_per_s=bw, device_type=device.type)
+
+    save(f"sensenova_eager_ctx{ctx}", eager)
+    del lm, prefix_logits, make_cache
+    release_model_unless_needed(args)
+
+    def qwen():
+        tf = rm.random_transformer(device=device.type, dtype=torch.bfloat16)
+        try:
+            return profile_step.profile_qwen_step(tf, target_shape=QWEN_PROFILE_TARGET,
+                                                  text_tokens=256)
+        finally:
+            del tf
+            torch.cuda.empty_cache()
+
+    if not is_030:  # this bundle's 0.30 stack runs the SenseNova-U1 cases only
+        save("qwen_image_21_t2i_1024", qwen)
+    log("profiles:\n" + profile_step.table(
+        {k: v for k, v in profiles.items() if isinstance(v, dict) and "error" not in v}))
+    for name, prof in profiles.items():
+        rows.append(_profile_row(name, prof, os.path.basename(path),
+                                 floor if name.startswith("sensenova") else None))
+
+
+def _profile_row(name, prof, file, floor=None):
+    """One bench row per profile: wall, GPU busy and the launch gap per step."""
+    if "error" in prof:
+        return {"case": f"profile_{name}", "error": prof["error"], "file": file}
+    main = prof.get("graph") or prof.get("replay") or prof
+    if "wall_ms_per_step" not in main:
+        return {"case": f"profile_{name}", "file": file}
+    eager = prof.get("eager", {}).get("wall_ms_per_step")
+    return common.case(f"profile_{name}", eager, main["wall_ms_per_step"], floor,
+                       gpu_busy_ms=main["gpu_busy_ms_per_step"],
+                       gpu_kernel_ms=main["gpu_kernel_ms_per_step"],
+                       kernels_per_step=main["kernels_per_step"],
+                       launch_gap_ms=main["launch_gap_ms_per_step"],
+                       kernels_from=prof.get("kernels_from") or main.get("kernels_from"),
+                       file=file)
+
+
+def bench_attention(args, rows, env):
+    import attention_kernels
+
+    attention_kernels.bench_attention(args, rows, env, log)
+
+
 # ------------------------------------------------------------------ output
+
+CASES = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
+         "memory": bench_memory, "profile": bench_profile, "attention": bench_attention}
+
+
+def _write(args, rows, env):
+    with open(os.path.join(args.out, f"bench-{args.tag}.json"), "w") as f:
+        json.dump({"environment": env, "cases": rows}, f, indent=2)
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="sensenova_decode,qwen_image_21_step,memory")
+    ap.add_argument("--cases", default="sensenova_decode,qwen_image_21_step,memory",
+                    help="comma-separated, run in order: " + ", ".join(CASES))
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
     ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
+    ap.add_argument("--memory-steps", type=int, default=24, help="tokens per memory-case request")
+    ap.add_argument("--profile-context", type=int, default=2048)
+    ap.add_argument("--profile-steps", type=int, default=10, help="graphed steps profiled")
+    ap.add_argument("--profile-eager-steps", type=int, default=6, help="eager steps profiled")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     os.makedirs(args.out, exist_ok=True)
     env = common.environment()
     rows: list[dict] = []
     rm.setup_runtime("cuda")
-    tag = args.tag or ("0.30" if rm.has_intree_paged_decode() else "default")
-    result = {"environment": env, "cases": rows}
-    for name in args.cases.split(","):
-        fn = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
-              "memory": bench_memory}[name]
+    args.tag = args.tag or ("0.30" if rm.has_intree_paged_decode() else "default")
+    for i, name in enumerate(cases):
+        args.pending = cases[i + 1:]
+        start = time.perf_counter()
         try:
-            fn(args, rows, env)
+            CASES[name](args, rows, env)
         except Exception as exc:  # keep what the other cases measured
             import traceback
 
             traceback.print_exc()
             rows.append({"case": name, "error": repr(exc)})
+        log(f"case {name}: {time.perf_counter() - start:.1f} s")
+        release_model_unless_needed(args)
         torch.cuda.empty_cache()
         # Written after every case: a run cut short still leaves what it measured.
-        with open(os.path.join(args.out, f"bench-{tag}.json"), "w") as f:
-            json.dump(result, f, indent=2)
-    plot(rows, os.path.join(args.out, f"bench-{tag}.png"))
-    print(json.dumps(result, indent=2))
+        _write(args, rows, env)
+    plot(rows, os.path.join(args.out, f"bench-{args.tag}.png"))
+    print(json.dumps({"environment": env, "cases": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,14 +10,16 @@ import sys
 
 
 def plot(rows, path):
+    # Profile summaries repeat timings of the cases they explain; they are not plotted.
+    shown = [r for r in rows if r.get("eager_ms") and r.get("ours_ms")
+             and not str(r.get("case", "")).startswith("profile_")]
+    if not shown:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r.get("eager_ms") and r.get("ours_ms")]
-    if not shown:
-        return
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4.2))
     x = list(range(len(shown)))
     width = 0.27

@@ -132,6 +132,9 @@ def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_i
     ``banned_ids``: vocabulary rows of ``lm_head`` set to zero, so those tokens get logit 0 while
     the best of the others is almost surely positive: the loops then run to their step limit
     instead of stopping early at an end token.
+    ``on_device_init``: draw the weights on ``device`` with its own generator (same distribution,
+    other values): the benchmarks' real shape (17.5 B parameters) would otherwise spend most of
+    its build drawing them on the host.
     """
     from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -141,11 +144,14 @@ def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_i
     torch.manual_seed(seed)
     with set_default_torch_dtype(dtype), torch.device(device):
         lm = T.SenseNovaU1ForCausalLM(config, prefix="language_model")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    on_device = on_device_init and torch.device(device).type != "cpu"
+    gen = torch.Generator(device=device if on_device else "cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in lm.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+            elif on_device:
+                p.normal_(0.0, 0.15, generator=gen)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
         for i in banned_ids:
@@ -335,11 +341,17 @@ def has_intree_paged_decode() -> bool:
 
 
 def flashinfer_status() -> str:
+    """Why the benchmark's end-to-end FlashInfer decode row carries a note instead of a time."""
+    kernel_level = ("kernel level: rows attention_paged_decode_ctxN (bench.py --cases attention, "
+                    "with .gpu-bundle-fi from scripts/gpu/build_flashinfer_bundle.sh)")
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer
     except Exception as exc:
-        return f"not measured: flashinfer is not importable here ({type(exc).__name__}: {exc})"
-    return "importable (not benchmarked by this script)"
+        return (f"not measured: flashinfer is not importable here ({type(exc).__name__}: {exc}); "
+                f"vllm 0.26.0 pins flashinfer-python 0.6.14, which the offline bundle leaves out; "
+                f"{kernel_level}")
+    return (f"not measured end to end: flashinfer {getattr(flashinfer, '__version__', '?')} is "
+            f"importable, but the plugin's paged decode calls FlashAttention only; {kernel_level}")
 
 
 # -- Qwen-Image-2.1 (diffusers) ---------------------------------------------------------------
