@@ -81,6 +81,11 @@ def _int_list(var: str, raw: str) -> tuple[int, ...]:
     return values
 
 
+def _path_or_off(var: str, raw: str) -> str:
+    value = raw.strip()
+    return "" if value.lower() in ("", "0", "off", "false", "no") else value
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     var: str
@@ -118,6 +123,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "16", _positive_int, "max_entries",
             "Qwen-Image-2.1: most prefix-graph entries kept (LRU). Each live request branch "
             "(cond, uncond) holds one; 16 covers --max-num-seqs 8 with true CFG."),
+    Setting("VLLM_OMNI_GRAPHDECODE_STATS_FILE", "0", _path_or_off, "stats_file",
+            "A path: every process that wires a model or counts an event writes its stats "
+            "snapshot there as JSON ({pid} is replaced by the process id): after each wiring, at "
+            "most once a second while counting, and at exit. The counters live in vllm-omni's "
+            "worker process, out of reach of the client; this makes them readable. 0: off."),
 )
 
 
@@ -131,6 +141,7 @@ class Config:
     buckets: tuple[int, ...]
     precapture_buckets: tuple[int, ...]
     max_entries: int
+    stats_file: str = ""
 
     @property
     def enabled(self) -> bool:

@@ -3,14 +3,22 @@
 Every fallback goes through ``fallback()``: it is counted under its reason and logged once per
 process at WARNING with the model and what to change. A fallback that is not counted here is a
 bug: the server would be slow and nobody would know why.
+
+The counters live in the process that loaded the model: in vLLM-Omni that is the diffusion worker,
+which no client can reach. ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` makes that process write its
+snapshot to a file (after each wiring and each fallback reason, at most once a second while events
+are counted, and at exit), so an end-to-end test or an operator can read what happened there.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import logging
+import os
 import threading
+import time
 
 # vllm attaches its handlers to the "vllm" logger only: a logger outside that tree loses INFO.
 logger = logging.getLogger("vllm.vllm_omni_graphdecode")
@@ -21,11 +29,17 @@ _fallbacks: collections.Counter[tuple[str, str]] = collections.Counter()
 _wired: list[str] = []
 _warned: set[tuple[str, str]] = set()
 
+DUMP_INTERVAL_S = 1.0
+_dump = {"resolved": False, "path": "", "last": 0.0, "atexit": False}
+_dump_lock = threading.Lock()
+
 
 def count(model: str, event: str, n: int = 1) -> None:
     """Count an event (``capture``, ``replay``, ``eager_step`` ...) for a model."""
     with _lock:
         _counters[f"{model}.{event}"] += n
+    if _dump["path"] or not _dump["resolved"]:
+        _maybe_dump()
 
 
 def fallback(model: str, reason: str, hint: str, detail: str = "") -> None:
@@ -49,6 +63,7 @@ def _record(model, reason, what, to_get, hint, detail) -> None:
         _fallbacks[key] += 1
         first = key not in _warned
         _warned.add(key)
+    _maybe_dump(force=first)
     if first:
         extra = f" ({detail})" if detail else ""
         logger.warning("graphdecode: %s %s: %s%s. %s: %s. (logged once per process; counted in "
@@ -58,6 +73,7 @@ def _record(model, reason, what, to_get, hint, detail) -> None:
 def wired(line: str) -> None:
     with _lock:
         _wired.append(line)
+    _maybe_dump(force=True)
 
 
 def get(model: str, event: str) -> int:
@@ -83,6 +99,49 @@ def dumps() -> str:
     return json.dumps(snapshot(), indent=2)
 
 
+def dump_path() -> str:
+    """Where this process writes its snapshot ("" when VLLM_OMNI_GRAPHDECODE_STATS_FILE is off)."""
+    if not _dump["resolved"]:
+        from . import config
+
+        try:
+            template = config.get().stats_file
+        except config.ConfigError:  # reported by register() at start-up; counting must not raise
+            template = ""
+        _dump["path"] = template.replace("{pid}", str(os.getpid()))
+        _dump["resolved"] = True
+        if _dump["path"] and not _dump["atexit"]:
+            atexit.register(_maybe_dump, force=True)
+            _dump["atexit"] = True
+    return _dump["path"]
+
+
+def write_snapshot(path: str) -> None:
+    """Write this process's snapshot (plus its pid) to ``path`` as JSON, atomically."""
+    data = dict(snapshot(), pid=os.getpid())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _maybe_dump(force: bool = False) -> None:
+    path = dump_path()
+    if not path:
+        return
+    now = time.monotonic()
+    if not force and now - _dump["last"] < DUMP_INTERVAL_S:
+        return
+    _dump["last"] = now
+    try:
+        with _dump_lock:
+            write_snapshot(path)
+    except OSError as exc:  # a stats file must never break serving
+        logger.warning("graphdecode: cannot write VLLM_OMNI_GRAPHDECODE_STATS_FILE %s: %s", path,
+                       exc)
+        _dump["path"] = ""
+
+
 def reset_counters() -> None:
     """Zero the event counters (keep fallbacks and the wiring record)."""
     with _lock:
@@ -96,3 +155,4 @@ def reset() -> None:
         _fallbacks.clear()
         _wired.clear()
         _warned.clear()
+    _dump.update(resolved=False, path="", last=0.0)

@@ -7,7 +7,11 @@
 # bundle (scripts/gpu/build_bundle.sh), whose folders .gpu-bundle* are unpacked here first when
 # present (idempotent; a later call while the host is up only adds what it brings).
 # STACK=0.30 runs against vllm-omni 0.30.0's tree (bundle target /tmp/site-omni-0.30.0) instead of
-# the bundle's default 0.26.0.
+# the bundle's default 0.26.0. .gpu-bundle-serve (scripts/gpu/build_serving_bundle.sh), when
+# present, adds the few wheels vllm-omni's engine needs beyond the bundle.
+# The project's own metadata (its entry points: vllm-omni finds the plugin only through them) is
+# installed into /tmp/site-project; the code itself runs from this checkout, first on PYTHONPATH.
+# GRAPHDECODE_TESTS (default: the tests folder) picks the test files or folders to run.
 set -uo pipefail
 what=${1:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
 results=${2:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
@@ -20,20 +24,55 @@ for unpack in "$here"/.gpu-bundle*/unpack.py; do
   [ -f "$unpack" ] && "$py" "$unpack" >>"$results/unpack.log" 2>&1
 done
 site=${GRAPHDECODE_SITE:-/tmp/site}
-pp="$here"
+if [ -x "$here/.gpu-bundle-serve/install.sh" ] && [ -d "$site" ]; then
+  PYTHON="$py" "$here/.gpu-bundle-serve/install.sh" "$site" >>"$results/unpack.log" 2>&1 \
+    || echo "serving bundle: install failed (see $results/unpack.log)" >&2
+fi
+
+# Entry points need installed metadata: PYTHONPATH to the checkout alone makes none.
+meta=${GRAPHDECODE_SITE_PROJECT:-/tmp/site-project}
+rm -rf "$meta"
+if ! "$py" -m pip install -q --no-deps --no-index --no-build-isolation --no-compile \
+    --target "$meta" "$here" >>"$results/unpack.log" 2>&1; then
+  # An older setuptools rejects pyproject's PEP 639 license string: write the dist-info ourselves.
+  echo "pip could not build the project here; writing its dist-info from pyproject.toml" \
+    >>"$results/unpack.log"
+  "$py" - "$here/pyproject.toml" "$meta" <<'PY' >>"$results/unpack.log" 2>&1
+import os, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+name = project["name"].replace("-", "_")
+info = os.path.join(sys.argv[2], f"{name}-{project['version']}.dist-info")
+os.makedirs(info, exist_ok=True)
+with open(os.path.join(info, "METADATA"), "w") as f:
+    f.write(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+with open(os.path.join(info, "entry_points.txt"), "w") as f:
+    for group, eps in project.get("entry-points", {}).items():
+        f.write(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n")
+print("wrote", info)
+PY
+fi
+
+pp="$here:$meta"
 if [ -d "$site" ]; then
-  pp="$here:$site"
-  [ "${STACK:-}" = "0.30" ] && pp="$here:$site-omni-0.30.0:$site"
+  pp="$here:$meta:$site"
+  [ "${STACK:-}" = "0.30" ] && pp="$here:$meta:$site-omni-0.30.0:$site"
 fi
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" VLLM_TARGET_DEVICE=cuda PYTHONUNBUFFERED=1
 export CUDA_CACHE_MAXSIZE=4294967296  # keep FA2's JIT-compiled PTX between runs
 tag=${STACK:-default}
 
 rc=0
+"$py" - >"$results/entry-points-$tag.txt" 2>&1 <<'PY' || rc=1
+import importlib.metadata as md
+for group in ("vllm.general_plugins", "vllm_omni.general_plugins"):
+    names = sorted(ep.name for ep in md.entry_points(group=group))
+    print(group, names)
+    assert "vllm_omni_graphdecode" in names, f"vllm_omni_graphdecode not found under {group}"
+PY
 "$py" -m vllm_omni_graphdecode doctor >"$results/doctor-$tag.txt" 2>&1 || rc=1
 if [ "$what" = tests ] || [ "$what" = all ]; then
   "$py" -m pytest -m gpu -p no:cacheprovider -ra --junitxml="$results/gpu-tests-$tag.xml" \
-    "$@" "$here/tests" 2>&1 | tee "$results/gpu-tests-$tag.log"
+    "$@" ${GRAPHDECODE_TESTS:-"$here/tests"} 2>&1 | tee "$results/gpu-tests-$tag.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

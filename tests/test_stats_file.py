@@ -1,0 +1,83 @@
+"""``VLLM_OMNI_GRAPHDECODE_STATS_FILE``: the process that counts writes its stats where a test can
+read them (the end-to-end engine test reads the diffusion worker's this way)."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+from vllm_omni_graphdecode import config, stats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _use(monkeypatch, value):
+    monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE_STATS_FILE", value)
+    config.reset_for_tests()
+    stats.reset()
+
+
+def test_stats_file_is_off_by_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_OMNI_GRAPHDECODE_STATS_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    stats.wired("graphdecode: test")
+    stats.count("sensenova_u1", "replay")
+    assert stats.dump_path() == ""
+    assert list(tmp_path.iterdir()) == []
+    assert config.parse({"VLLM_OMNI_GRAPHDECODE_STATS_FILE": "0"}).stats_file == ""
+
+
+def test_wiring_and_fallbacks_are_written_at_once_with_pid_in_the_name(monkeypatch, tmp_path):
+    _use(monkeypatch, str(tmp_path / "stats-{pid}.json"))
+    path = tmp_path / f"stats-{os.getpid()}.json"
+    stats.wired("graphdecode: sensenova_u1: wired for the test")
+    data = json.loads(path.read_text())
+    assert data["wired"] == ["graphdecode: sensenova_u1: wired for the test"]
+    assert data["pid"] == os.getpid()
+    stats.fallback("sensenova_u1", "not CUDA", "run on a GPU")
+    assert json.loads(path.read_text())["fallbacks"] == {"sensenova_u1: not CUDA": 1}
+
+
+def test_counts_are_written_at_most_once_per_interval(monkeypatch, tmp_path):
+    _use(monkeypatch, str(tmp_path / "stats.json"))
+    path = tmp_path / "stats.json"
+    stats.count("sensenova_u1", "replay")  # the first count writes
+    assert json.loads(path.read_text())["counters"] == {"sensenova_u1.replay": 1}
+    for _ in range(99):
+        stats.count("sensenova_u1", "replay")
+    assert json.loads(path.read_text())["counters"] == {"sensenova_u1.replay": 1}
+    monkeypatch.setitem(stats._dump, "last", 0.0)  # as if the interval had passed
+    stats.count("sensenova_u1", "replay")
+    assert json.loads(path.read_text())["counters"] == {"sensenova_u1.replay": 101}
+
+
+def test_final_counts_are_written_at_process_exit(tmp_path):
+    template = str(tmp_path / "stats-{pid}.json")
+    code = ("from vllm_omni_graphdecode import stats\n"
+            "for _ in range(500): stats.count('qwen_image_21', 'replay')\n"
+            "import os; print(os.getpid())\n")
+    env = dict(os.environ, VLLM_OMNI_GRAPHDECODE_STATS_FILE=template,
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    pid = int(out.stdout.split()[-1])
+    data = json.loads((tmp_path / f"stats-{pid}.json").read_text())
+    assert data["counters"] == {"qwen_image_21.replay": 500}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_unwritable_stats_file_warns_once_and_never_raises(monkeypatch, tmp_path):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    stats.logger.addHandler(handler)  # vllm's "vllm" logger does not propagate to pytest's
+    try:
+        _use(monkeypatch, str(tmp_path / "missing-dir" / "stats.json"))
+        stats.count("sensenova_u1", "replay")
+        stats.wired("graphdecode: x")
+    finally:
+        stats.logger.removeHandler(handler)
+    assert stats.dump_path() == ""
+    assert sum("cannot write VLLM_OMNI_GRAPHDECODE_STATS_FILE" in r.getMessage()
+               for r in records) == 1
