@@ -132,6 +132,10 @@ def bench_sensenova(args, rows, env):
     lm, tok = sensenova_model()
     bw = copy_bandwidth(env)
     steps = args.steps
+    # One in-tree pipeline for every context: freeing its graphs (a new pipeline per context) and
+    # capturing again into vLLM's graph pool trips torch's use_count assert (seen on the H200).
+    intree_pipe = (rm.build_pipeline(lm, tok, device="cuda")
+                   if is_030 and not args.no_intree else None)
     for ctx in args.contexts:
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
         t_idx = ctx - 1
@@ -141,10 +145,9 @@ def bench_sensenova(args, rows, env):
             os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
         eager = _text_loop_ms(eager_pipe, prefix_logits, make_cache, t_idx, steps)
         log(f"ctx {ctx}: eager {eager:.2f} ms/token (floor {floor:.2f})")
-        if is_030:
+        if intree_pipe is not None:
             os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "1"
-            intree = _text_loop_ms(rm.build_pipeline(lm, tok, device="cuda"), prefix_logits,
-                                   make_cache, t_idx, steps)
+            intree = _text_loop_ms(intree_pipe, prefix_logits, make_cache, t_idx, steps)
             log(f"ctx {ctx}: vllm-omni 0.30 in-tree {intree:.2f} ms/token")
             rows.append(common.case(f"sensenova_decode_ctx{ctx}_intree", eager, intree, floor,
                                     side="vllm-omni 0.30 in-tree paged decode (FA2)"))
@@ -444,6 +447,10 @@ def main():
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
     ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
+    ap.add_argument("--no-intree", action="store_true",
+                    help="vllm-omni 0.30: skip its in-tree decode (time it in another process: "
+                         "after its graphs are freed, a capture into vLLM's graph pool in the same "
+                         "process tripped torch's use_count assert on the H200)")
     ap.add_argument("--memory-steps", type=int, default=24, help="tokens per memory-case request")
     ap.add_argument("--profile-context", type=int, default=2048)
     ap.add_argument("--profile-steps", type=int, default=10, help="graphed steps profiled")

@@ -61,6 +61,7 @@ pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "tests", "e2e_engine.py")
+SHIM = os.path.join(ROOT, "tests", "e2e_shim")
 MAKER = os.path.join(ROOT, "examples", "make_tiny_checkpoints.py")
 
 TEXT_TOKENS = 32
@@ -127,7 +128,16 @@ def _run_case(name: str, ckpts: dict[str, str], outdir: str, timeout: int) -> di
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("VLLM_OMNI_GRAPHDECODE") and k != "VLLM_PLUGINS"}
     env.update(CASES[name], PYTHONUNBUFFERED="1",
-               VLLM_OMNI_GRAPHDECODE_STATS_FILE=os.path.join(case_dir, "stats-{pid}.json"))
+               VLLM_OMNI_GRAPHDECODE_STATS_FILE=os.path.join(case_dir, "stats-{pid}.json"),
+               # Upstream, not the plugin (same for every case): vllm-omni 0.26's diffusers
+               # adapter picks diffusers' "_native_flash" backend, which refuses the attention
+               # mask Qwen-Image-2.1 passes (its warm-up fails); SDPA takes it.
+               DIFFUSION_ATTENTION_BACKEND="TORCH_SDPA",
+               # Upstream too: vllm-omni 0.26.0 + vllm 0.26.0 cannot build SenseNova-U1 in the
+               # worker without it (tests/e2e_shim/sitecustomize.py says why).
+               PYTHONPATH=os.pathsep.join([SHIM] + [p for p in
+                                                    env.get("PYTHONPATH", "").split(os.pathsep)
+                                                    if p]))
     cmd = [sys.executable, RUNNER, "--sensenova", ckpts["sensenova_u1"],
            "--qwen", ckpts["qwen_image_21"], "--out", os.path.join(case_dir, "result.json"),
            "--text-tokens", str(TEXT_TOKENS)]
