@@ -54,6 +54,10 @@ def doctor_report() -> dict:
             cfg.fa_version if cfg is not None else "auto")
     except Exception as exc:  # doctor must print what it can
         report["paged_attention_kernel"] = f"unknown: {exc!r}"
+    try:
+        report["decode_step_ops"] = kernels.describe_step_ops()
+    except Exception as exc:
+        report["decode_step_ops"] = f"unknown: {exc!r}"
     from . import loading
     from .hooks import HOOK_MODULES, load
 
@@ -89,6 +93,7 @@ def _print_doctor(report: dict) -> None:
     else:
         print(f"  GPU: none: {report['why']}")
     print(f"  paged-attention kernel: {report['paged_attention_kernel']}")
+    print(f"  {report['decode_step_ops']}")
     print(f"  vllm-omni supported: {report['vllm_omni_supported']}")
     if "config_error" in report:
         print(f"  configuration: INVALID: {report['config_error']}")

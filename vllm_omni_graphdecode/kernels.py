@@ -405,3 +405,16 @@ def select_kv_writer(device, dtype=torch.bfloat16) -> KVWriter | Unavailable:
     if not ok:
         return Unavailable(NO_KV_WRITER, "it wrote elsewhere than index_copy_ does")
     return writer
+
+
+def describe_step_ops() -> str:
+    """One line for ``doctor``: whether the fused decode step's vllm ops run on cuda:0."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    found = [select_layer_ops(device), select_kv_writer(device)]
+    ok = [f.name for f in found if not isinstance(f, Unavailable)]
+    bad = [f"{f}" + (f" ({f.detail})" if f.detail else "") for f in found
+           if isinstance(f, Unavailable)]
+    if not bad:
+        return f"fused decode-step ops on {device}: " + "; ".join(ok)
+    return (f"fused decode-step ops on {device}: " + ("; ".join(ok) + "; " if ok else "")
+            + "not available: " + "; ".join(dict.fromkeys(bad)))
