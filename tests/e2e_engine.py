@@ -24,6 +24,7 @@ script never imports it, so that only vllm-omni's own plugin loading can bring i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -174,18 +175,13 @@ def _generate(omni, prompt, params):
 
 def run_sensenova(ckpt: str, args, outdir: str) -> dict:
     from transformers import AutoTokenizer
-    from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     result: dict = {"requests": {}}
-    start = time.perf_counter()
     # The tiny checkpoint's config.json says model_type "sensenova_u1"; vllm-omni 0.26 maps only
     # the released model's "neo_chat" to the pipeline, so name the pipeline class.
-    omni = Omni(model=ckpt, model_class_name="SenseNovaU1Pipeline",
-                stage_init_timeout=args.init_timeout, init_timeout=args.init_timeout + 60)
-    result["init_s"] = round(time.perf_counter() - start, 2)
-    try:
+    with _engine(result, args, model=ckpt, model_class_name="SenseNovaU1Pipeline") as omni:
         params = OmniDiffusionSamplingParams(
             seed=SEED, extra_args={"max_tokens": args.text_tokens, "do_sample": False})
         out, took = _generate(omni, {"prompt": SENSENOVA_PROMPT, "modalities": ["text"]}, params)
@@ -209,33 +205,37 @@ def run_sensenova(ckpt: str, args, outdir: str) -> dict:
             "think_text": think, "ids": tok.encode(think or "", add_special_tokens=False),
             "strings": strings, "images": _record_images(out, "sensenova-think", outdir),
             "s": round(took, 3)}
-    finally:
-        start = time.perf_counter()
-        omni.shutdown()
-        result["shutdown_s"] = round(time.perf_counter() - start, 2)
     return result
 
 
 def run_qwen(ckpt: str, args, outdir: str) -> dict:
-    from vllm_omni.entrypoints.omni import Omni
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
     result: dict = {"requests": {}}
-    start = time.perf_counter()
-    omni = Omni(model=ckpt, diffusion_load_format="diffusers",
-                stage_init_timeout=args.init_timeout, init_timeout=args.init_timeout + 60)
-    result["init_s"] = round(time.perf_counter() - start, 2)
-    try:
+    with _engine(result, args, model=ckpt, diffusion_load_format="diffusers") as omni:
         params = OmniDiffusionSamplingParams(
             seed=SEED, height=IMAGE_SIZE, width=IMAGE_SIZE, num_inference_steps=args.qwen_steps)
         out, took = _generate(omni, {"prompt": QWEN_PROMPT}, params)
         result["requests"]["t2i"] = {"images": _record_images(out, "qwen-t2i", outdir),
                                      "strings": _strings(out), "s": round(took, 3)}
+    return result
+
+
+@contextlib.contextmanager
+def _engine(result: dict, args, **kwargs):
+    """vLLM-Omni's offline engine for the body, its start and shutdown times into ``result``."""
+    from vllm_omni.entrypoints.omni import Omni
+
+    start = time.perf_counter()
+    omni = Omni(stage_init_timeout=args.init_timeout, init_timeout=args.init_timeout + 60,
+                **kwargs)
+    result["init_s"] = round(time.perf_counter() - start, 2)
+    try:
+        yield omni
     finally:
         start = time.perf_counter()
         omni.shutdown()
         result["shutdown_s"] = round(time.perf_counter() - start, 2)
-    return result
 
 
 def _versions() -> dict[str, str | None]:
