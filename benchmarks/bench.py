@@ -48,7 +48,7 @@ import common  # noqa: E402
 import profile_step  # noqa: E402
 from plot import plot  # noqa: E402
 from vllm_omni_graphdecode import config, kernels, stats  # noqa: E402
-from vllm_omni_graphdecode import random_models as rm  # noqa: E402
+from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 
 SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,

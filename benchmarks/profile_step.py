@@ -388,7 +388,7 @@ def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3) ->
     replay (on CPU the plugin's static-buffer step, uncaptured)."""
     from vllm_omni_graphdecode import stats
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
-    from vllm_omni_graphdecode.random_models import synthetic_inputs
+    from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 
     device_type = next(tf.parameters()).device.type
     capture = device_type == "cuda"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
-from vllm_omni_graphdecode.random_models import synthetic_inputs
+from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21KVCache,
     QwenImage21Transformer2DModel,

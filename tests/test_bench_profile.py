@@ -163,7 +163,7 @@ def test_an_opaque_replay_is_detected():
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from vllm_omni_graphdecode import random_models as rm
+    from vllm_omni_graphdecode.testing import random_models as rm
 
     tok = rm.build_tokenizer()
     lm = rm.build_lm(banned_ids=rm.stop_ids(tok))
@@ -228,7 +228,7 @@ def test_flashinfer_missing_says_what_to_build(monkeypatch, tmp_path):
 
 
 def test_flashinfer_status_note_points_at_the_kernel_rows(monkeypatch):
-    from vllm_omni_graphdecode import random_models as rm
+    from vllm_omni_graphdecode.testing import random_models as rm
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     note = rm.flashinfer_status()

@@ -24,7 +24,7 @@ from qwen_tiny import (
     tiny_transformer,
 )
 from vllm_omni_graphdecode import config, prefix_graph, stats
-from vllm_omni_graphdecode.random_models import synthetic_inputs
+from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 from vllm_omni_graphdecode.hooks import HookRefused
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 

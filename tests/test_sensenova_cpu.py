@@ -1,7 +1,7 @@
 """The SenseNova-U1 hook on the installed vllm-omni's real code, on CPU.
 
 The model, the pipeline's think/text loops and the tokenizer handling are vllm-omni's own
-(``vllm_omni_graphdecode/random_models.py`` builds a 2-layer model and a local tokenizer; the pipeline object is
+(``vllm_omni_graphdecode/testing/random_models.py`` builds a 2-layer model and a local tokenizer; the pipeline object is
 made with ``object.__new__`` because its ``__init__`` loads a checkpoint). The paged path runs
 with ``kernels.REFERENCE`` as its kernel and without graphs (there is no GPU); everything else
 (patches, sessions, write-back, eligibility, fallbacks) is the production code.
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import random_models as st
+from vllm_omni_graphdecode.testing import random_models as st
 from vllm_omni_graphdecode import config, kernels, loading, stats
 from vllm_omni_graphdecode.hooks import HookRefused
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook

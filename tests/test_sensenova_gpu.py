@@ -2,7 +2,7 @@
 
 A real ``SenseNovaU1ForCausalLM`` at GPU-friendly toy sizes (4 layers, hidden 256, 4 q heads /
 2 KV heads, head_dim 128, bf16, random weights) inside vllm-omni's own pipeline loops
-(``vllm_omni_graphdecode/random_models.py``). The kernel is whatever ``kernels.select_kernel`` finds (FA3 there).
+(``vllm_omni_graphdecode/testing/random_models.py``). The kernel is whatever ``kernels.select_kernel`` finds (FA3 there).
 
 Three decode paths are compared: graphs (the production path), the same paged step run eagerly
 (same kernel, no graph: what verify mode compares against), and the pipeline's own
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import random_models as st
+from vllm_omni_graphdecode.testing import random_models as st
 from vllm_omni_graphdecode import config, kernels, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 

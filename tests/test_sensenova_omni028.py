@@ -153,7 +153,7 @@ def _child(omni_path: str) -> dict:
     sys.path[:0] = [omni_path, str(REPO), str(HERE)]
     import torch
 
-    from vllm_omni_graphdecode import random_models as st
+    from vllm_omni_graphdecode.testing import random_models as st
     from vllm_omni_graphdecode import config, kernels, stats
     from vllm_omni_graphdecode.hooks import HookRefused
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_doctor(report)
         return 0 if "config_error" not in report else 2
     if args.command == "demo":
-        from . import demo as demo_mod
+        from .testing import demo as demo_mod
 
         return demo_mod.main(json_stats=args.json)
     return 2

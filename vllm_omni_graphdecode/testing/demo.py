@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from . import config, loading, stats
+from .. import config, loading, stats
 
 # head_dim 128 and 4:1 grouped-query attention, as in the released model.
 SENSENOVA_GPU = dict(num_layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, vocab=96,

@@ -63,9 +63,9 @@ from typing import Any
 
 import torch
 
-from .. import config, stats
-from ..prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
-from . import HookRefused, check_signature
+from ... import config, stats
+from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
+from .. import HookRefused, check_signature
 
 MODEL = "qwen_image_21"
 
@@ -553,7 +553,7 @@ def _attach_release(runner, wiring: CachedStepGraphs) -> str:
     """Make sleep level 2 drop our graphs (it discards the memory they were recorded against)."""
     if runner is None:
         return "no runner: release graphs yourself before sleeping"
-    from .. import loading
+    from ... import loading
 
     loading.release_on_sleep(runner, wiring.release_graphs)
     return "sleep level 2 releases them"
@@ -614,7 +614,7 @@ def bench_cached_step(transformer, *, batch: int = 1, text_tokens: int = 256,
         raise ValueError("bench_cached_step needs an unwired transformer")
     _prepare(transformer)
     d = _diffusers()
-    from ..random_models import synthetic_inputs
+    from ...testing.random_models import synthetic_inputs
 
     kwargs = synthetic_inputs(transformer, batch=batch, text_tokens=text_tokens,
                               reference_shapes=reference_shapes, target_shape=target_shape)

@@ -54,8 +54,8 @@ import time
 
 import torch
 
-from .. import kernels, paged_decode, stats
-from . import HookRefused, check_signature
+from ... import kernels, paged_decode, stats
+from .. import HookRefused, check_signature
 
 MODEL = "sensenova_u1"
 # Our own keyword down the model's **kwargs chain (ForCausalLM -> Model -> DecoderLayer ->
@@ -1045,6 +1045,6 @@ def _wire_release(pipeline, state: _State, runner) -> None:
 
     pipeline.release_captured_graphs = release_captured_graphs
     if runner is not None:
-        from .. import loading
+        from ... import loading
 
         loading.release_on_sleep(runner, pipeline.release_captured_graphs)
