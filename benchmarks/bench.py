@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import profile_step  # noqa: E402
+import qwen_step  # noqa: E402
 from plot import plot  # noqa: E402
 from vllm_omni_graphdecode import config, kernels, stats  # noqa: E402
 from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
@@ -167,13 +168,13 @@ def bench_sensenova(args, rows, env):
             except Exception as exc:
                 rows.append(common.case(name, eager, None, floor, error=repr(exc)))
                 continue
-            state = getattr(pipe, sensenova_u1._STATE_ATTR)
-            if not fused:
-                state.fusion = sensenova_u1.Fusion.off("benchmark: the model's own step")
-                state._drop_decoder()  # none yet (no pre-capture); a decoder takes its fusion
+            wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
+            if not fused:  # the model's own step (no decoder yet: no pre-capture)
+                wiring.fusion = wiring.kv_writer = None
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             snap = stats.snapshot()
-            step = state.fusion.describe()
+            step = " + ".join((wiring.fusion.describe() if wiring.fusion else [])
+                              + (["one-kernel K/V write"] if wiring.kv_writer else [])) or "unfused"
             log(f"ctx {ctx}: ours FA{fa} {ours:.2f} ms/token, step {step} ({summary}; "
                 f"{snap['counters']})")
             rows.append(common.case(name, eager, ours, floor,
@@ -216,7 +217,7 @@ def bench_qwen(args, rows, env):
     tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
     for name, target, refs in QWEN_CASES:
         stats.reset()
-        r = q.bench_cached_step(tf, text_tokens=256, reference_shapes=refs, target_shape=target)
+        r = qwen_step.bench_cached_step(tf, text_tokens=256, reference_shapes=refs, target_shape=target)
         floor = qwen_step_flops(tf, r["target_tokens"], r["prefix_len"]) / rate * 1e3
         log(f"qwen {name}: eager {r['eager_ms']:.2f} graph {r['graph_ms']:.2f} "
             f"static {r['static_ms']:.2f} floor {floor:.2f} ms exact={r['exact']}")

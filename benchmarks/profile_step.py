@@ -326,7 +326,7 @@ def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1
 
-        dec = sensenova_u1.PagedDecoder(lm, kernel=kernel, buckets=buckets, graphs=graphs)
+        dec = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=buckets, graphs=graphs)
         try:
             dec.begin(make_cache())
             state = {"token": prefix_logits[:, -1].argmax(-1), "t": ctx}
@@ -388,14 +388,15 @@ def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3) ->
     replay (on CPU the plugin's static-buffer step, uncaptured)."""
     from vllm_omni_graphdecode import stats
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import names
     from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 
     device_type = next(tf.parameters()).device.type
     capture = device_type == "cuda"
     q._prepare(tf)
-    d = q._diffusers()
+    d = names.resolve()
     kwargs = synthetic_inputs(tf, text_tokens=text_tokens, target_shape=target_shape)
-    out = {"attention_backend": q._backend_name(d, tf), "target_tokens":
+    out = {"attention_backend": names.backend_name(d, tf), "target_tokens":
            target_shape[0] * target_shape[1], "text_tokens": text_tokens}
     with torch.no_grad():
         cache = d.module.QwenImage21KVCache(len(tf.transformer_blocks))

@@ -39,6 +39,7 @@ def test_enable_variable_accepts_documented_values(raw, models):
     ("VLLM_OMNI_GRAPHDECODE_BUCKETS", "500", "increasing positive multiples of 16"),
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "0", "increasing positive multiples of 16"),
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "16384", "buckets listed in"),
+    ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "1024, 16384", "buckets listed in"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "0", "a positive integer"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "many", "a positive integer"),
 ])
@@ -48,17 +49,48 @@ def test_invalid_value_names_variable_value_and_what_is_accepted(var, raw, accep
     message = str(err.value)
     assert var in message
     assert accepted in message
-    if var != "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS" or raw == "0":
-        assert repr(raw) in message
+    assert repr(raw) in message  # the raw value as set, not a parsed or normalised one
 
 
-def test_every_setting_is_documented_in_readme():
+def test_buckets_alone_derive_the_precapture_buckets():
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,1024,4096"})
+    assert cfg.precapture_buckets == (256, 1024)  # those up to 2048
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE_BUCKETS": "4096,8192"})
+    assert cfg.precapture_buckets == (4096,)  # none that short: the first bucket
+    assert config.parse({}).precapture_buckets == (512, 1024, 2048)
+
+
+def test_precapture_buckets_are_not_checked_with_precapture_off():
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,1024",
+                        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "512",
+                        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0"})
+    assert cfg.buckets == (256, 1024) and not cfg.precapture
+
+
+def test_precapture_buckets_outside_the_buckets_say_what_to_change():
+    with pytest.raises(config.ConfigError) as err:
+        config.parse({"VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,1024",
+                      "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256, 512"})
+    message = str(err.value)
+    assert "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS='256, 512'" in message
+    assert "VLLM_OMNI_GRAPHDECODE_BUCKETS='256,1024'" in message
+    assert "512 not among the buckets" in message
+    assert "VLLM_OMNI_GRAPHDECODE_PRECAPTURE=0" in message  # one of the ways out
+
+
+def test_every_setting_is_documented_in_readme_with_its_default():
     import pathlib
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`VLLM_OMNI_GRAPHDECODE"):
+            rows[cells[0].strip("`")] = cells[1]
+    assert set(rows) == {s.var for s in config.SETTINGS}
     for setting in config.SETTINGS:
-        assert f"`{setting.var}`" in readme, setting.var
-        assert f"`{setting.default}`" in readme, (setting.var, setting.default)
+        shown = f"`{setting.default}`" if setting.default else "unset"
+        assert rows[setting.var] == shown, (setting.var, rows[setting.var])
 
 
 def test_get_parses_once_per_process(monkeypatch):

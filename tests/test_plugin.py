@@ -10,6 +10,8 @@ import pytest
 
 import vllm_omni_graphdecode
 from vllm_omni_graphdecode import config, hooks, loading, stats
+from vllm_omni_graphdecode.patching import HookRefused
+from vllm_omni_graphdecode.reasons import Reason
 
 GROUPS = ("vllm.general_plugins", "vllm_omni.general_plugins")
 
@@ -89,8 +91,11 @@ def _bare_runner(cls, pipeline):
 
 
 def _install_hook(monkeypatch, model, module):
+    """Register ``module`` as ``model``'s hook, the one way a real hook is registered."""
     sys.modules[module.__name__] = module
-    monkeypatch.setitem(hooks.HOOK_MODULES, model, module.__name__)
+    rows = tuple(hooks.Model(m.key, m.title, module.__name__) if m.key == model else m
+                 for m in hooks.MODELS)
+    monkeypatch.setattr(hooks, "MODELS", rows)
     monkeypatch.setattr(config, "_CONFIG", config.parse({"VLLM_OMNI_GRAPHDECODE": model}))
 
 
@@ -149,7 +154,8 @@ def test_hook_found_on_diffusers_adapter_inner_pipeline(monkeypatch, runner_cls)
     assert seen == [adapter._pipeline]
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom"), hooks.HookRefused("target moved")])
+@pytest.mark.parametrize("error", [RuntimeError("boom"),
+                                   HookRefused(Reason("target moved", "use another version"))])
 def test_hook_that_raises_leaves_load_succeeding_and_is_logged(monkeypatch, runner_cls, vllm_log,
                                                                error):
     def wire(target, cfg, runner):
@@ -180,8 +186,9 @@ def test_moved_load_model_signature_is_refused_and_left_alone(vllm_log):
     assert loading.patch_runner_class(MovedRunner) is False
     assert MovedRunner.load_model is original
     assert MovedRunner().load_model() == "real load"
-    assert "signature moved" in _vllm_output(vllm_log)
-    assert "load_model signature moved" in "".join(stats.fallbacks("plugin"))
+    assert "load_model moved" in _vllm_output(vllm_log)
+    assert "(self, load_format)" in _vllm_output(vllm_log)  # the detail says what it found
+    assert stats.fallbacks("plugin") == {f"plugin: {loading.LOAD_MOVED.key}": 1}
 
 
 @pytest.mark.parametrize("version,ok", [("0.24.0", True), ("0.26.1", True), ("0.28.0", True),
@@ -192,3 +199,29 @@ def test_unsupported_vllm_omni_version_is_a_warning_text_not_a_crash(version, ok
     assert (problem is None) is ok
     if version and not ok:
         assert version in problem and "0.24.x" in problem and "0.30.x" in problem
+
+
+def test_two_refusals_with_different_details_count_under_one_stable_key(monkeypatch, runner_cls,
+                                                                       vllm_log):
+    reason = Reason("target moved", "use another version")
+    details = iter(["first place", "second place"])
+
+    def wire(target, cfg, runner):
+        raise HookRefused(reason.because(next(details)))
+
+    _install_hook(monkeypatch, "sensenova_u1", _hook("test", wire))
+    loading.patch_runner_class(runner_cls)
+    for _ in range(2):
+        _bare_runner(runner_cls, Pipeline()).load_model(load_format="dummy")
+    assert stats.fallbacks("sensenova_u1") == {"sensenova_u1: target moved": 2}
+    out = _vllm_output(vllm_log)
+    assert "first place" in out and "second place" in out  # each load line says its own detail
+    warnings = [r for r in vllm_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "use another version" in warnings[0].getMessage()
+
+
+def test_registry_is_the_one_list_config_and_doctor_read():
+    assert set(config.MODEL_KEYS) == {m.key for m in hooks.MODELS}
+    for model in hooks.MODELS:
+        assert hooks.load(model.key).MODEL == model.key
+        assert model.key in config.parse({"VLLM_OMNI_GRAPHDECODE": "all"}).models

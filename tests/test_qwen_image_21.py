@@ -25,7 +25,7 @@ from qwen_tiny import (
 )
 from vllm_omni_graphdecode import config, prefix_graph, stats
 from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
-from vllm_omni_graphdecode.hooks import HookRefused
+from vllm_omni_graphdecode.patching import HookRefused
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 
 MODEL = qwen.MODEL
@@ -169,7 +169,7 @@ def _eager_result_with_reason(model, reason, kwargs=None, cache=None):
     eager, static = stats.get(MODEL, "eager_step"), stats.get(MODEL, "static_step")
     got = cached_call(model, step, cache)
     assert torch.equal(got, expected)
-    assert reason[0] in fallback_reasons(), stats.fallbacks(MODEL)
+    assert reason.key in fallback_reasons(), stats.fallbacks(MODEL)
     assert stats.get(MODEL, "eager_step") == eager + 1
     assert stats.get(MODEL, "static_step") == static
     return got
@@ -189,7 +189,7 @@ def test_autograd_runs_eagerly(model):
         got = model(**step, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
     assert got.requires_grad
     assert torch.equal(got.detach(), cached_reference(model, step, cache))
-    assert qwen.AUTOGRAD[0] in fallback_reasons()
+    assert qwen.AUTOGRAD.key in fallback_reasons()
 
 
 def test_padded_text_mask_runs_eagerly(model):
@@ -207,12 +207,45 @@ def test_compiled_blocks_run_eagerly(model):
     _eager_result_with_reason(model, qwen.COMPILED)
 
 
-def test_accelerate_offload_hook_runs_eagerly(model):
+def test_accelerate_hook_runs_eagerly(model):
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     qwen.enable(model, capture=False)
     add_hook_to_module(model.transformer_blocks[1], ModelHook())
     _eager_result_with_reason(model, qwen.HOOKS)
+
+
+def test_accelerate_sequential_offload_hook_is_reported_as_offload(model):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    qwen.enable(model, capture=False)
+    add_hook_to_module(model.transformer_blocks[1], AlignDevicesHook(execution_device="cpu",
+                                                                     offload=True))
+    _eager_result_with_reason(model, qwen.OFFLOAD)
+
+
+def test_an_adapter_added_mid_request_is_seen_at_the_next_step(model):
+    """The request binds at step 1; a LoRA adapter appears before step 2. Step 2 must not run the
+    entry bound (and, on a GPU, captured) without it: the structure change drops every entry and
+    the step runs diffusers' forward, with the adapter, for its reason."""
+    from peft import LoraConfig
+
+    kwargs = request(model)
+    cache = extract(model, kwargs)
+    qwen.enable(model, capture=False)
+    cached_call(model, at_step(kwargs, 1), cache)
+    assert stats.get(MODEL, "static_step") == 1
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    step = at_step(kwargs, 2)
+    expected = cached_reference(model, step, cache)
+    got = cached_call(model, step, cache)
+    assert torch.equal(got, expected)
+    assert stats.get(MODEL, "structure_changed") == 1 and stats.get(MODEL, "static_step") == 1
+    assert qwen.LORA.key in fallback_reasons()
 
 
 def test_diffusers_block_hook_runs_eagerly(model):
@@ -264,9 +297,9 @@ def test_parallel_and_non_resident_weights_are_reasons(model):
     # Neither runs on one CPU process; the rules themselves are checked here, the eager path they
     # lead to is the same one every other rule takes.
     assert qwen.structure_reason(model, torch.device("cpu")) is None
-    assert qwen.structure_reason(model, torch.device("meta"))[0] == qwen.NOT_RESIDENT
+    assert qwen.NOT_RESIDENT.same(qwen.structure_reason(model, torch.device("meta")))
     model.transformer_blocks[1].attn.processor._parallel_config = object()
-    assert qwen.structure_reason(model, torch.device("cpu"))[0] == qwen.PARALLEL
+    assert qwen.PARALLEL.same(qwen.structure_reason(model, torch.device("cpu")))
 
 
 def test_quantized_prefix_kv_runs_eagerly(model):
@@ -299,7 +332,7 @@ def test_prefix_kv_in_another_dtype_runs_eagerly(model):
     step = at_step(kwargs, 1)
     expected = cached_reference(model, step, cache)
     assert torch.equal(cached_call(model, step, cache), expected)
-    assert qwen.QUANT_KV[0] in fallback_reasons()
+    assert qwen.QUANT_KV.key in fallback_reasons()
 
 
 def test_unpopulated_cache_fails_as_diffusers_does(model):
@@ -307,7 +340,7 @@ def test_unpopulated_cache_fails_as_diffusers_does(model):
     kwargs = request(model)
     with pytest.raises(RuntimeError, match="not been populated"):
         cached_call(model, kwargs, new_cache(model))
-    assert qwen.NOT_POPULATED[0] in fallback_reasons()
+    assert qwen.NOT_POPULATED.key in fallback_reasons()
 
 
 def test_prefix_not_matching_the_layout_runs_eagerly(model):
@@ -359,8 +392,8 @@ def test_each_reason_is_logged_once(model, caplog):
             cached_call(model, at_step(kwargs, step), cache)
     finally:
         stats.logger.removeHandler(caplog.handler)
-    assert len([r for r in caplog.records if qwen.NOT_CUDA[0] in r.getMessage()]) == 1
-    assert stats.fallbacks(MODEL) == {f"{MODEL}: {qwen.NOT_CUDA[0]}": 3}
+    assert len([r for r in caplog.records if qwen.NOT_CUDA.key in r.getMessage()]) == 1
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {qwen.NOT_CUDA.key}": 3}
 
 
 # -- wiring ------------------------------------------------------------------------------------
@@ -430,7 +463,7 @@ def test_moved_signature_is_refused(model, monkeypatch):
         raise AssertionError("not called")
 
     monkeypatch.setattr(module.QwenImage21TransformerBlock, "forward", forward)
-    with pytest.raises(HookRefused, match="QwenImage21TransformerBlock.forward signature moved"):
+    with pytest.raises(HookRefused, match=r"QwenImage21TransformerBlock.forward: expected"):
         qwen.enable(model)
     assert "forward" not in model.__dict__
 

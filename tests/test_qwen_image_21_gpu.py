@@ -100,7 +100,7 @@ def test_pipeline_with_graphs_equals_pipeline_without():
 
 
 def _denoise(model, kwargs, cache, step):
-    """One step of a toy sampler: the request's latents move by the model's prediction."""
+    """One step of a plain Euler sampler: the request's latents move by the model's prediction."""
     out = cached_call(model, kwargs, cache)
     nxt = dict(kwargs)
     nxt["hidden_states"] = kwargs["hidden_states"] - 0.05 * out

@@ -1,4 +1,4 @@
-"""prefix_graph, the mechanism under the Qwen-Image-2.1 hook, with a toy step on CPU: ownership,
+"""prefix_graph, the mechanism under the Qwen-Image-2.1 hook, with a small arithmetic step on CPU: ownership,
 pooling, LRU, and the fallbacks that need no GPU to reach."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch
 from vllm_omni_graphdecode import prefix_graph as pg
 from vllm_omni_graphdecode import stats
 
-MODEL = "toy"
+MODEL = "prefix_graph_test"
 
 
 class Owner:
     """Stands for a request's KV-cache object: anything weakly referenceable."""
 
 
-def toy_step(bufs: pg.StaticBuffers) -> torch.Tensor:
+def sum_step(bufs: pg.StaticBuffers) -> torch.Tensor:
     k, v = bufs.prefix[0]
     return bufs.step["x"] @ k.T + v.sum() + bufs.request["r"]
 
@@ -36,11 +36,11 @@ def inputs(seed, prefix_len=4):
 
 def graphs(**kw) -> pg.PrefixGraphs:
     kw.setdefault("max_entries", 4)
-    return pg.PrefixGraphs(MODEL, toy_step, capture=False, **kw)
+    return pg.PrefixGraphs(MODEL, sum_step, capture=False, **kw)
 
 
 def expected(prefix, request, step):
-    return toy_step(pg.StaticBuffers(prefix=prefix, request=request, step=step))
+    return sum_step(pg.StaticBuffers(prefix=prefix, request=request, step=step))
 
 
 def reasons() -> set[str]:
@@ -97,13 +97,13 @@ def test_full_pool_of_live_entries_refuses_with_its_reason():
     a = Owner()
     g.bind(a, key(), *inputs(1))
     assert g.bind(Owner(), key(), *inputs(2)) is None
-    assert pg.CAPACITY[0] in reasons()
+    assert pg.CAPACITY.key in reasons()
 
 
 def test_an_owner_that_cannot_be_weakly_referenced_is_refused():
     g = graphs()
     assert g.bind(object(), key(), *inputs(1)) is None
-    assert pg.UNTRACKABLE_OWNER[0] in reasons()
+    assert pg.UNTRACKABLE_OWNER.key in reasons()
 
 
 def test_a_step_of_another_shape_is_refused():
@@ -111,7 +111,7 @@ def test_a_step_of_another_shape_is_refused():
     a = Owner()
     entry = g.bind(a, key(), *inputs(1))
     assert g.run(entry, {"x": torch.zeros(5, 2)}) is None
-    assert pg.STEP_MISMATCH[0] in reasons()
+    assert pg.STEP_MISMATCH.key in reasons()
 
 
 def test_release_all_drops_entries_and_owners_rebind():
@@ -132,7 +132,7 @@ def test_verify_mismatch_disables_the_shape_and_returns_the_eager_result():
     entry = g.bind(a, key(), *ia)
     eager = expected(*ia)
     assert g._verify(entry, eager + 1.0, eager) is eager
-    assert pg.VERIFY_MISMATCH[0] in reasons()
+    assert pg.VERIFY_MISMATCH.key in reasons()
     assert g.run(entry, ia[2]) is None  # the shape now runs eagerly for this process
 
 
@@ -181,4 +181,4 @@ def test_oom_with_nothing_to_give_back_makes_the_shape_eager(monkeypatch):
     assert g.bind(Owner(), key(), *inputs(1)) is None
     monkeypatch.undo()
     assert g.bind(Owner(), key(), *inputs(2)) is None  # eager for the rest of the process
-    assert g.info()["eager_keys"] == 1 and pg.OOM[0] in reasons()
+    assert g.info()["eager_keys"] == 1 and pg.OOM.key in reasons()

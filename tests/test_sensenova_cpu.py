@@ -19,8 +19,8 @@ import torch
 
 from vllm_omni_graphdecode.testing import random_models as st
 from vllm_omni_graphdecode import config, kernels, loading, stats
-from vllm_omni_graphdecode.hooks import HookRefused
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.patching import HookRefused
 
 MODEL = hook.MODEL
 PROMPT = 20
@@ -83,7 +83,8 @@ def _assert_same_think(got, want):
 
 
 def _state(pipe):
-    return getattr(pipe, hook._STATE_ATTR)
+    """The wiring install() attached: ``.sessions`` (gate, lock, live session), ``.decoder``."""
+    return getattr(pipe, hook.STATE_ATTR)
 
 
 # ------------------------------------------------------------------ paged path == eager path
@@ -100,7 +101,10 @@ def test_paged_think_matches_eager_tokens_and_logits_across_bucket_and_tail(tiny
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
     dec = _state(pipe).decoder
     assert dec.cache.capacity == 96  # 32 -> 64 -> one tail step
-    assert dec.cache.generation == 2
+    # The request started in the pinned tier (the first bucket), moved to the overflow tier at 33
+    # tokens, which then grew once (64 -> 96); the pinned tier was never reallocated.
+    assert dec.current is dec.overflow and dec.overflow.cache.generation == 1
+    assert dec.pinned.cache.capacity == 32 and dec.pinned.cache.generation == 0
     assert stats.get(MODEL, "paged_request") == 1
     assert stats.get(MODEL, "paged_eager_step") == STEPS and stats.get(MODEL, "eager_step") == 0
     assert stats.fallbacks(MODEL) == {}
@@ -147,7 +151,7 @@ def test_paged_decoder_api_for_benchmarks_matches_the_eager_step(tiny):
     pipe = st.build_pipeline(tiny.lm, tiny.tok)
     out, cache, t_idx = st.prefill(pipe, tiny.ids)
     _, ref_cache, _ = st.prefill(pipe, tiny.ids)
-    dec = hook.PagedDecoder(tiny.lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False)
+    dec = hook.paged_decoder(tiny.lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False)
     assert dec.begin(cache) == PROMPT
     token = out.logits[:, -1].argmax(-1)
     with torch.inference_mode():
@@ -165,7 +169,7 @@ def test_paged_decoder_api_for_benchmarks_matches_the_eager_step(tiny):
 # ------------------------------------------------------------------ eligibility and fallbacks
 
 def _kernel_reason(reason, detail="x"):
-    return {"kernel": kernels.Unavailable(reason, detail)}
+    return {"kernel": reason.because(detail)}
 
 
 RULE_CASES = {
@@ -185,7 +189,7 @@ RULE_CASES = {
 @pytest.mark.parametrize("reason", list(RULE_CASES))
 def test_each_rule_gives_its_reason_and_the_eager_result(tiny, eager_think, reason):
     pipe, summary = _paged_pipeline(tiny, **RULE_CASES[reason](tiny))
-    assert reason in summary
+    assert reason.key in summary
     got = st.run_think(pipe, tiny.ids, SHORT)
     _assert_same_think(got, eager_think(SHORT))
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {reason}": 1}
@@ -244,7 +248,7 @@ def test_capture_failure_hands_the_request_back_and_later_requests_stay_eager(ti
     _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.CAPTURE_FAILED}": 2}
     assert stats.get(MODEL, "paged_request") == 1  # the second one never opened a session
-    assert not _state(pipe).lock.locked()
+    assert not _state(pipe).sessions.lock.locked()
 
 
 def test_out_of_memory_at_request_start_falls_back(tiny, eager_think):
@@ -253,7 +257,7 @@ def test_out_of_memory_at_request_start_falls_back(tiny, eager_think):
     pipe, _ = _paged_pipeline(tiny, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_BUCKETS="32,1099511627776"))
     _assert_same_think(st.run_think(pipe, ids, SHORT), eager_think(SHORT, ids))
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.OOM}": 1}
-    assert _state(pipe).decoder is None and not _state(pipe).lock.locked()
+    assert _state(pipe).decoder is None and not _state(pipe).sessions.lock.locked()
 
 
 def test_out_of_memory_while_growing_hands_the_request_back(tiny, eager_think):
@@ -263,7 +267,7 @@ def test_out_of_memory_while_growing_hands_the_request_back(tiny, eager_think):
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.OOM}": 1}
     assert stats.get(MODEL, "paged_eager_step") == 32 - PROMPT
     assert stats.get(MODEL, "eager_step") == SHORT - (32 - PROMPT)
-    assert _state(pipe).decoder is None and not _state(pipe).lock.locked()
+    assert _state(pipe).decoder is None and not _state(pipe).sessions.lock.locked()
 
 
 # ------------------------------------------------------------------ one sequence per pipeline
@@ -305,7 +309,7 @@ def test_second_request_during_a_decode_runs_eagerly_and_shares_no_buffers(tiny,
     try:
         assert tok.inside.wait(120), "the first request never reached its decode loop"
         state = _state(pipe)
-        assert state.lock.locked() and state.session is not None
+        assert state.sessions.lock.locked() and state.sessions.session is not None
         before = [t.clone() for t in state.decoder.cache.k + state.decoder.cache.v]
         other = st.prompt_ids(tiny.tok, 12, seed=7)
         second = st.run_think(pipe, other, SHORT)  # this thread, same pipeline
@@ -318,7 +322,7 @@ def test_second_request_during_a_decode_runs_eagerly_and_shares_no_buffers(tiny,
     _assert_same_think(results["a"], eager_think(STEPS))
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.BUSY}": 1}
     assert stats.get(MODEL, "paged_request") == 1
-    assert not _state(pipe).lock.locked()
+    assert not _state(pipe).sessions.lock.locked()
 
 
 # ------------------------------------------------------------------ LoRA wrappers
@@ -373,7 +377,7 @@ def test_defer_wires_nothing_and_the_in_tree_decode_still_runs(tiny, eager_think
     assert "stays in charge" in summary and "nothing wired" in summary
     patched = {"_ar_step", "_generate_think", "_generate_text", "_decode_context",
                "release_captured_graphs"}
-    assert not patched & set(vars(pipe)) and getattr(pipe, hook._STATE_ATTR, None) is None
+    assert not patched & set(vars(pipe)) and getattr(pipe, hook.STATE_ATTR, None) is None
     _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
     assert in_tree_spy == [1] and stats.get(MODEL, "paged_request") == 0
 
@@ -396,7 +400,7 @@ def test_moved_ar_step_signature_is_refused_and_the_model_left_untouched(tiny):
     lm = st.build_lm(banned_ids=st.stop_ids(tiny.tok))
     pipe = st.build_pipeline(lm, tiny.tok, cls=MovedPipeline)
     assert hook.find_target(pipe) is pipe
-    with pytest.raises(HookRefused, match="_ar_step signature moved"):
+    with pytest.raises(HookRefused, match=r"_ar_step: expected \(self, next_token"):
         hook.install(pipe, _cfg(), None)
     assert not {"_ar_step", "_generate_think", "release_captured_graphs"} & set(vars(pipe))
     assert all("forward_und" not in vars(layer.self_attn) for layer in lm.model.layers)
@@ -419,7 +423,7 @@ def test_unknown_attention_layout_is_refused(tiny):
     for layer in lm.model.layers:
         layer.self_attn.__class__ = MovedAttention
     pipe = st.build_pipeline(lm, tiny.tok)
-    with pytest.raises(HookRefused, match="unknown SenseNova-U1 layout"):
+    with pytest.raises(HookRefused, match="unknown SenseNova-U1 code layout"):
         hook.install(pipe, _cfg(), None)
     assert "_ar_step" not in vars(pipe)
 
@@ -429,7 +433,7 @@ def test_loader_wires_a_sensenova_pipeline(tiny):
     config.reset_for_tests(_cfg())
     lines = loading.after_load(SimpleNamespace(pipeline=pipe))
     assert lines[0].startswith("sensenova_u1: SenseNovaU1Pipeline")
-    assert getattr(pipe, hook._STATE_ATTR) is not None
+    assert getattr(pipe, hook.STATE_ATTR) is not None
     assert hook.install(pipe, _cfg(), None) == "already wired"
 
 
@@ -465,22 +469,110 @@ def test_graph_runners_shim_keeps_entries_and_releases_on_clear(tiny):
     assert _state(pipe).decoder is None and runner.graph_runners == {}
 
 
-def test_a_degraded_graph_path_is_counted_and_warned_once():
-    """What install() reports on a GPU where the fused step is unavailable (the path still runs
-    paged and graphed, so it is not an eager fallback, but it is counted and says what to do)."""
-    stats.reset()
+def test_a_degraded_graph_path_is_counted_apart_and_warned_once_through_wiring(tiny, monkeypatch):
+    """install() selects the fused step's parts; one that cannot run (here: every part, on CPU)
+    is a degraded path: counted apart from eager fallbacks, warned once, and the paged path runs."""
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
     stats.logger.addHandler(handler)  # vllm's logging config may stop propagation to caplog
     try:
-        for _ in range(3):
-            stats.degraded(hook.MODEL, hook.UNFUSED, "a CUDA build of vllm", "not CUDA (cpu)")
+        for _ in range(2):
+            pipe, summary = _paged_pipeline(tiny)
+            st.run_think(pipe, tiny.ids, SHORT)
     finally:
         stats.logger.removeHandler(handler)
     lines = [r.getMessage() for r in records]
-    assert lines == ["graphdecode: sensenova_u1 runs the graph path without an optimisation: "
-                     "decode step unfused (not CUDA (cpu)). To get it: a CUDA build of vllm. "
-                     "(logged once per process; counted in stats)"]
-    assert stats.fallbacks(hook.MODEL) == {"sensenova_u1: decode step unfused": 3}
-    stats.reset()
+    assert len(lines) == 1 and lines[0].startswith(
+        "graphdecode: sensenova_u1 runs the graph path without an optimisation: decode step "
+        "unfused (")
+    assert "two-kernel K/V write" in lines[0] and hook.UNFUSED.hint in lines[0]
+    assert stats.degraded_paths(MODEL) == {f"{MODEL}: {hook.UNFUSED}": 2}
+    assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "paged_request") == 2
+    assert "step the model's own" in summary
+
+
+# ------------------------------------------------------------------ release during a request
+
+def test_release_from_another_thread_waits_for_the_request_in_flight(tiny, eager_think):
+    tok = _PausingTokenizer(tiny.tok)
+    pipe = st.build_pipeline(tiny.lm, tok)
+    hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
+    results, released = {}, threading.Event()
+    first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
+    tok.thread = first
+    first.start()
+    assert tok.inside.wait(120), "the request never reached its decode loop"
+    sleeper = threading.Thread(target=lambda: (pipe.release_captured_graphs(), released.set()))
+    sleeper.start()
+    try:
+        assert not released.wait(0.5), "release did not wait for the request in flight"
+        assert _state(pipe).decoder is not None
+    finally:
+        tok.release.set()
+        first.join(120)
+        sleeper.join(120)
+    assert released.is_set() and _state(pipe).decoder is None
+    _assert_same_think(results["a"], eager_think(STEPS))
+    assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "paged_eager_step") == STEPS
+
+
+def test_release_from_inside_the_request_hands_it_back_with_every_token(tiny, eager_think):
+    pipe, _ = _paged_pipeline(tiny)
+    inner = pipe._ar_step
+    calls = []
+
+    def _ar_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:  # e.g. a sleep issued from the worker thread mid-request
+            pipe.release_captured_graphs()
+        return inner(*args, **kwargs)
+
+    pipe._ar_step = _ar_step
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.RELEASED}": 1}
+    assert stats.get(MODEL, "paged_eager_step") == 9
+    assert stats.get(MODEL, "eager_step") == SHORT - 9
+    assert _state(pipe).decoder is None and not _state(pipe).sessions.lock.locked()
+
+
+# ------------------------------------------------------------------ tiers and accelerate hooks
+
+def test_a_longer_request_keeps_the_pinned_tier_and_the_next_short_one_uses_it(tiny, eager_think):
+    pipe, _ = _paged_pipeline(tiny)
+    short_ids = st.prompt_ids(tiny.tok, 8, seed=4)
+    st.run_think(pipe, short_ids, 10)
+    dec = _state(pipe).decoder
+    pinned = dec.pinned
+    ptrs = [k.data_ptr() for k in pinned.cache.k]
+    _assert_same_think(st.run_think(pipe, tiny.ids, STEPS), eager_think(STEPS))  # to 96 tokens
+    assert dec.pinned is pinned and [k.data_ptr() for k in pinned.cache.k] == ptrs
+    assert pinned.cache.generation == 0 and dec.overflow.cache.capacity == 96
+    _assert_same_think(st.run_think(pipe, short_ids, 10), eager_think(10, short_ids))
+    assert dec.current is pinned
+
+
+def test_accelerate_sequential_offload_hook_is_reported_as_offload(tiny, eager_think):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    lm = st.build_lm(banned_ids=st.stop_ids(tiny.tok))
+    add_hook_to_module(lm.model.layers[1].mlp, AlignDevicesHook(execution_device="cpu",
+                                                                 offload=True))
+    pipe, _ = _paged_pipeline(tiny, lm=lm)
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.OFFLOAD}": 1}
+
+
+def test_removing_an_accelerate_hook_brings_the_fast_path_back(tiny, eager_think):
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    lm = st.build_lm(banned_ids=st.stop_ids(tiny.tok))
+    add_hook_to_module(lm.model.layers[0].mlp, ModelHook())
+    pipe, _ = _paged_pipeline(tiny, lm=lm)
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.HOOKED}": 1}
+    remove_hook_from_module(lm.model.layers[0].mlp)
+    assert "forward" in vars(lm.model.layers[0].mlp)  # what removal leaves: the bound forward
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    assert stats.get(MODEL, "paged_request") == 1 and stats.fallbacks(MODEL) == {
+        f"{MODEL}: {hook.HOOKED}": 1}

@@ -1,6 +1,6 @@
 """SenseNova-U1 graph decode on a CUDA GPU (H200, vllm 0.26 + vllm-omni 0.26, FA3).
 
-A real ``SenseNovaU1ForCausalLM`` at GPU-friendly toy sizes (4 layers, hidden 256, 4 q heads /
+A real ``SenseNovaU1ForCausalLM`` at small GPU sizes (4 layers, hidden 256, 4 q heads /
 2 KV heads, head_dim 128, bf16, random weights) inside vllm-omni's own pipeline loops
 (``vllm_omni_graphdecode/testing/random_models.py``). The kernel is whatever ``kernels.select_kernel`` finds (FA3 there).
 
@@ -333,7 +333,7 @@ def test_gpu_device_memory_after_requests_5_to_20_does_not_grow(gpu, lora):
     grew_reserved = (max(reserved[4:]) - reserved[4]) / mib
     trace = [round(a / mib, 1) for a in allocated]
     assert grew_alloc <= 1, f"allocated grew {grew_alloc:.1f} MiB over requests 5..20: {trace}"
-    # A private pool per capture set grew ~40 MiB per request at real shapes upstream; at toy
+    # A private pool per capture set grew ~40 MiB per request at real shapes upstream; at these small
     # shapes each leaked pool would still hold at least one 2 MiB segment per graph.
     assert grew_reserved <= 8, f"reserved grew {grew_reserved:.1f} MiB over requests 5..20"
 

@@ -75,12 +75,12 @@ def test_028_fused_step_equals_the_models_own_step(report):
     assert r["rope_calls_last_step"]["plain"] == {"rotary_emb": r["layers"],
                                                   "rotary_emb_hw": 2 * r["layers"]}
     assert r["describe"] == "rope once per step + fused norms + SiLU"
-    assert not r["cpu_fused"] and "not CUDA" in r["cpu_describe"]
+    assert not r["cpu_fused"] and "not CUDA" in " ".join(r["cpu_reasons"])
 
 
 def test_028_moved_signature_is_refused_untouched(report):
     r = report["refused"]
-    assert "_ar_step signature moved" in r["message"] and r["untouched"]
+    assert "_ar_step: expected (self, next_token" in r["message"] and r["untouched"]
 
 
 # ---------------------------------------------------------------------------------- the child
@@ -107,10 +107,10 @@ def _fused_vs_plain(st, hook, kernels, lm, tok, ids) -> dict:
     pipe = st.build_pipeline(lm, tok)
     out, cache_fused, t_idx = st.prefill(pipe, ids)
     _, cache_plain, _ = st.prefill(pipe, ids)
-    fused = hook.PagedDecoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
-                              fusion=hook.Fusion.reference(lm))
-    plain = hook.PagedDecoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
-                              fusion=hook.Fusion.off())
+    fused = hook.paged_decoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
+                               fusion=hook.Fusion.reference(lm), kv_writer=None)
+    plain = hook.paged_decoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
+                               fusion=None, kv_writer=None)
     calls = {"rotary_emb": 0, "rotary_emb_hw": 0}
     handles = []
     for layer in lm.model.layers:
@@ -139,11 +139,11 @@ def _fused_vs_plain(st, hook, kernels, lm, tok, ids) -> dict:
     cache_diff = max(max((x.keys - y.keys).abs().max().item(),
                          (x.values - y.values).abs().max().item())
                      for x, y in zip(cache_fused.layers, cache_plain.layers))
-    on_cpu = hook.Fusion(lm, hook.detect_layout(lm), "cpu")
+    on_cpu = hook.Fusion.select(lm, hook.detect_layout(lm), "cpu")
     result = {"max_logit_diff": max(diffs), "steps": len(diffs), "max_cache_diff": cache_diff,
               "rope_calls_last_step": per_step, "layers": len(lm.model.layers),
-              "describe": fused.fusion.describe(), "cpu_describe": on_cpu.describe(),
-              "cpu_fused": on_cpu.rope_kernel is not None or on_cpu.layer_ops is not None}
+              "describe": " + ".join(fused.model.fusion.describe()),
+              "cpu_reasons": on_cpu.reasons, "cpu_fused": on_cpu.active}
     fused.release()
     plain.release()
     return result
@@ -155,7 +155,7 @@ def _child(omni_path: str) -> dict:
 
     from vllm_omni_graphdecode.testing import random_models as st
     from vllm_omni_graphdecode import config, kernels, stats
-    from vllm_omni_graphdecode.hooks import HookRefused
+    from vllm_omni_graphdecode.patching import HookRefused
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
@@ -198,7 +198,7 @@ def _child(omni_path: str) -> dict:
         "max_cache_diff": max(max((a.keys - b.keys).abs().max().item(),
                                   (a.values - b.values).abs().max().item())
                               for a, b in zip(got[0].layers, want[0].layers)),
-        "capacity": getattr(pipe, hook._STATE_ATTR).decoder.cache.capacity,
+        "capacity": getattr(pipe, hook.STATE_ATTR).decoder.cache.capacity,
         "paged_requests": stats.get(hook.MODEL, "paged_request"),
         "fallbacks": stats.fallbacks(hook.MODEL),
     }
@@ -214,7 +214,7 @@ def _child(omni_path: str) -> dict:
     runner = object.__new__(DiffusionModelRunner)
     pipe = paged(runner)
     st.run_think(pipe, ids, 40)
-    state = getattr(pipe, hook._STATE_ATTR)
+    state = getattr(pipe, hook.STATE_ATTR)
     had = state.decoder is not None and state.decoder.nbytes > 0
     if hasattr(runner, "graph_runners"):  # DiffusionWorker.sleep(level=2), verbatim
         runner.graph_runners.clear()

@@ -1,14 +1,14 @@
 """paged_decode.py on its own (no model): bucket schedule, buffers, growth, write-back, runner.
 
-CPU only, with the reference attention as the kernel. Graph capture itself is covered by the GPU
-tests in test_sensenova_gpu.py.
+On CPU with the reference attention as the kernel; the GPU-marked tests capture a graph of one
+attention step with the kernel the plugin selects there.
 """
 
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from vllm_omni_graphdecode import kernels, paged_decode, stats
+from vllm_omni_graphdecode import cuda_graphs, kernels, paged_decode, stats
 from vllm_omni_graphdecode.paged_decode import BLOCK_SIZE, PagedKVCache, bucket_for, tail_step
 
 LAYERS, KV_HEADS, DIM = 3, 2, 16
@@ -70,15 +70,32 @@ def test_growth_keeps_tokens_publishes_a_new_generation_and_bucket_shrinks_witho
     assert cache.bucket == 32 and cache.capacity == 128 and cache.generation == gen
 
 
-def test_out_of_memory_while_growing_leaves_the_old_buffers_in_place():
-    cache = _cache(buckets=(32, 2 ** 40))
+def test_out_of_memory_on_the_last_allocation_of_a_growth_publishes_nothing(monkeypatch):
+    """Growth allocates K and V for every layer; the *last* of those allocations fails. Buffers
+    published layer by layer, or a new generation or capacity set before all succeeded, would
+    show here."""
+    cache = _cache()
     cache.load(_dynamic_cache(20))
-    before = [k.data_ptr() for k in cache.k]
-    gen = cache.generation
-    with pytest.raises(RuntimeError, match="allocate"):
+    k_before, v_before = list(cache.k), list(cache.v)
+    state = (cache.capacity, cache.bucket, cache.generation, cache.length, int(cache.seqused))
+    real, calls = paged_decode._alloc, []
+
+    def alloc(shape, dtype, device):
+        calls.append(shape)
+        if len(calls) == 2 * LAYERS:
+            raise torch.OutOfMemoryError("injected: the last of the growth's allocations")
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(paged_decode, "_alloc", alloc)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
         cache.reserve(33)
-    assert [k.data_ptr() for k in cache.k] == before and cache.generation == gen
-    assert cache.capacity == 32 and cache.length == 20
+    assert len(calls) == 2 * LAYERS
+    assert all(a is b for a, b in zip(cache.k, k_before)) and len(cache.k) == LAYERS
+    assert all(a is b for a, b in zip(cache.v, v_before)) and len(cache.v) == LAYERS
+    assert (cache.capacity, cache.bucket, cache.generation, cache.length,
+            int(cache.seqused)) == state
+    monkeypatch.setattr(paged_decode, "_alloc", real)
+    assert cache.reserve(33) and cache.capacity == 64  # nothing half-done blocks a later growth
 
 
 def test_attend_writes_the_slot_from_device_state_and_matches_dense_attention():
@@ -119,7 +136,7 @@ def test_runner_without_graphs_runs_the_step_eagerly_and_counts_it():
 def test_runner_capture_failure_is_a_capture_error_and_keeps_nothing():
     cache = _cache()
     runner = paged_decode.DecodeGraphRunner(lambda: torch.ones(1), cache, model="m", pool=object())
-    with pytest.raises(paged_decode.CaptureError):
+    with pytest.raises(cuda_graphs.CaptureFailed):
         runner.step()
     assert runner.num_graphs == 0 and stats.get("m", "capture") == 0
 
@@ -130,3 +147,45 @@ def test_release_drops_buffers_and_moves_the_generation():
     gen = cache.generation
     cache.release()
     assert cache.k == [] and cache.nbytes == 0 and cache.generation == gen + 1
+
+
+@pytest.mark.gpu
+def test_gpu_a_replay_writes_its_own_slot_and_leaves_the_previous_one_intact():
+    """One attention step captured; the length advanced between replays: each replay stores the
+    new token's K/V in the slot ``seqused`` names (a device value, read at replay), attends over
+    every valid key, and leaves the slot written before untouched."""
+    device = torch.device("cuda")
+    found = kernels.select_kernel(device, 128)
+    if not isinstance(found, kernels.Kernel):
+        pytest.skip(f"no paged kernel here: {found.describe()}")
+    heads, kv_heads, dim = 8, 2, 128
+    cache = PagedKVCache(1, kv_heads, dim, dtype=torch.bfloat16, device=device, buckets=(64,),
+                         kernel=found, length=64)
+    gen = torch.Generator(device=device).manual_seed(0)
+    prefix = [torch.randn(1, kv_heads, 20, dim, generator=gen, device=device).bfloat16()
+              for _ in range(2)]
+    dyn = DynamicCache()
+    dyn.update(prefix[0], prefix[1], 0)
+    cache.load(dyn)
+    q = torch.zeros(1, heads, 1, dim, dtype=torch.bfloat16, device=device)
+    k = torch.zeros(1, kv_heads, 1, dim, dtype=torch.bfloat16, device=device)
+    v = torch.zeros_like(k)
+    scale = dim ** -0.5
+    cache.set_length(21)
+    captured = cuda_graphs.capture(lambda: cache.attend(0, q, k, v, scale), device)
+    flat_k, flat_v = cache.k[0].view(-1, kv_heads, dim), cache.v[0].view(-1, kv_heads, dim)
+    written = {}
+    for n in (21, 22, 23):
+        cache.set_length(n)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        written[n - 1] = (k[0, :, 0].clone(), v[0, :, 0].clone())
+        captured.graph.replay()
+        keys = flat_k[:n].transpose(0, 1)[None].repeat_interleave(heads // kv_heads, 1)
+        values = flat_v[:n].transpose(0, 1)[None].repeat_interleave(heads // kv_heads, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), keys.float(), values.float(), scale=scale)[:, :, 0].to(q.dtype)
+        torch.testing.assert_close(captured.output, ref, atol=2e-2, rtol=2e-2)
+        for slot, (wk, wv) in written.items():  # this step's slot and every earlier one
+            assert torch.equal(flat_k[slot], wk) and torch.equal(flat_v[slot], wv), (n, slot)
+    assert torch.equal(flat_k[:20], prefix[0][0].transpose(0, 1))  # the prefix too

@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from vllm_omni_graphdecode import config, stats
+from vllm_omni_graphdecode import cli, config, stats
+from vllm_omni_graphdecode.reasons import Reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,7 +36,7 @@ def test_wiring_and_fallbacks_are_written_at_once_with_pid_in_the_name(monkeypat
     data = json.loads(path.read_text())
     assert data["wired"] == ["graphdecode: sensenova_u1: wired for the test"]
     assert data["pid"] == os.getpid()
-    stats.fallback("sensenova_u1", "not CUDA", "run on a GPU")
+    stats.fallback("sensenova_u1", Reason("not CUDA", "run on a GPU").because("cpu"))
     assert json.loads(path.read_text())["fallbacks"] == {"sensenova_u1: not CUDA": 1}
 
 
@@ -81,3 +82,29 @@ def test_unwritable_stats_file_warns_once_and_never_raises(monkeypatch, tmp_path
     assert stats.dump_path() == ""
     assert sum("cannot write VLLM_OMNI_GRAPHDECODE_STATS_FILE" in r.getMessage()
                for r in records) == 1
+
+
+def test_stats_command_prints_one_table_across_worker_processes(tmp_path, capsys):
+    """What an operator runs on the files the workers wrote: every process's wiring, counters,
+    fallbacks and degraded paths, by pid."""
+    (tmp_path / "stats-11.json").write_text(json.dumps({
+        "pid": 11, "wired": ["graphdecode: sensenova_u1: wired"],
+        "counters": {"sensenova_u1.replay": 1056}, "fallbacks": {"sensenova_u1: not CUDA": 2},
+        "degraded": {"sensenova_u1: decode step unfused": 1}}))
+    (tmp_path / "stats-12.json").write_text(json.dumps({
+        "pid": 12, "wired": [], "counters": {"qwen_image_21.replay": 3}, "fallbacks": {}}))
+    assert cli.main(["stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["pid", "kind", "what", "count"]
+    rows = [line.split(None, 2) for line in out[1:]]
+    assert ["11", "wired", "graphdecode: sensenova_u1: wired"] in rows
+    assert any(r[:2] == ["11", "counters"] and r[2].split()[-1] == "1056" for r in rows)
+    assert any(r[:2] == ["11", "fallbacks"] and "not CUDA" in r[2] for r in rows)
+    assert any(r[:2] == ["11", "degraded"] and "unfused" in r[2] for r in rows)
+    assert any(r[:2] == ["12", "counters"] and r[2].split() == ["qwen_image_21.replay", "3"]
+               for r in rows)
+
+
+def test_stats_command_says_when_nothing_is_there(tmp_path, capsys):
+    assert cli.main(["stats", str(tmp_path)]) == 1
+    assert "no snapshot found" in capsys.readouterr().out

@@ -2,7 +2,10 @@
 
 ``doctor`` answers "would the fast path run here, and if not, why" without loading a model.
 ``demo`` builds the real model classes at small size with random weights and runs them through the
-plugin (``demo.py``).
+plugin (``testing/demo.py``).
+``stats PATH...`` reads the snapshots that ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` makes each
+worker process write, and prints one table across processes: what each wired, its counters, and
+its fallbacks and degraded paths by reason.
 """
 
 from __future__ import annotations
@@ -55,16 +58,18 @@ def doctor_report() -> dict:
     except Exception as exc:  # doctor must print what it can
         report["paged_attention_kernel"] = f"unknown: {exc!r}"
     try:
-        report["decode_step_ops"] = kernels.describe_step_ops()
+        from . import layer_ops
+
+        report["decode_step_ops"] = layer_ops.describe_step_ops()
     except Exception as exc:
         report["decode_step_ops"] = f"unknown: {exc!r}"
     from . import loading
-    from .hooks import HOOK_MODULES, load
+    from .hooks import MODEL_KEYS, load
 
     omni = loading.omni_version()
     report["vllm_omni_supported"] = loading.check_omni_version(omni) or f"yes ({omni})"
     hooks = {}
-    for model in HOOK_MODULES:
+    for model in MODEL_KEYS:
         try:
             hooks[model] = load(model).support()
         except Exception as exc:
@@ -110,6 +115,39 @@ def _print_doctor(report: dict) -> None:
         print(f"  with this install, {model}: {what}")
 
 
+def stats_table(paths: list[str]) -> tuple[str, int]:
+    """The snapshots at ``paths`` (files, or folders of ``*.json``) as one table; (text, exit code:
+    0, or 1 when a path holds no readable snapshot)."""
+    import glob
+    import os
+
+    files: list[str] = []
+    for path in paths:
+        files += sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
+    rows, problems = [], []
+    for path in files:
+        try:
+            with open(path) as f:
+                snap = json.load(f)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: unreadable ({exc})")
+            continue
+        pid = snap.get("pid", "?")
+        for line in snap.get("wired", []):
+            rows.append((pid, "wired", line, ""))
+        for kind in ("counters", "fallbacks", "degraded"):
+            for key, n in snap.get(kind, {}).items():
+                rows.append((pid, kind, key, str(n)))
+    if not files:
+        problems.append(f"no snapshot found in {', '.join(paths)}")
+    width = max([len(r[2]) for r in rows if r[1] != "wired"] + [20])
+    out = [f"{'pid':>8}  {'kind':9}  {'what':{width}}  count"]
+    for pid, kind, what, n in rows:
+        out.append(f"{pid:>8}  {kind:9}  {what:{width}}  {n}" if kind != "wired"
+                   else f"{pid:>8}  {kind:9}  {what}")
+    return "\n".join(out + problems), 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_omni_graphdecode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--json", action="store_true", help="print the report as JSON")
     demo = sub.add_parser("demo", help="run tiny real models through the plugin and report")
     demo.add_argument("--json", action="store_true", help="also print the stats as JSON")
+    st = sub.add_parser("stats", help="one table of the stats files worker processes wrote "
+                                      "(VLLM_OMNI_GRAPHDECODE_STATS_FILE)")
+    st.add_argument("paths", nargs="+", help="snapshot files, or folders of *.json snapshots")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
@@ -130,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from .testing import demo as demo_mod
 
         return demo_mod.main(json_stats=args.json)
+    if args.command == "stats":
+        text, code = stats_table(args.paths)
+        print(text)
+        return code
     return 2
 
 

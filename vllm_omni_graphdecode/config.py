@@ -12,8 +12,15 @@ import dataclasses
 import os
 from typing import Callable, Mapping
 
+from .hooks import MODEL_KEYS
+
 ENABLE_VAR = "VLLM_OMNI_GRAPHDECODE"
-MODEL_KEYS = ("sensenova_u1", "qwen_image_21")
+BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_BUCKETS"
+PRECAPTURE_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE"
+PRECAPTURE_BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS"
+# Unset, the pre-capture buckets are the configured buckets up to this length: what a think
+# request (1024 tokens from a prompt of a few hundred) passes through.
+PRECAPTURE_UP_TO = 2048
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -69,6 +76,10 @@ def _positive_int(var: str, raw: str) -> int:
     return value
 
 
+def _int_list_or_unset(var: str, raw: str) -> tuple[int, ...]:
+    return () if raw.strip() == "" else _int_list(var, raw)
+
+
 def _int_list(var: str, raw: str) -> tuple[int, ...]:
     accepted = "a comma list of increasing positive multiples of 16, e.g. 512,1024,2048"
     try:
@@ -98,12 +109,12 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting(ENABLE_VAR, "0", _parse_models, "models",
             "Turns the plugin on: unset/0 off; 1/all every model; or a comma list of "
-            "sensenova_u1, qwen_image_21."),
+            + ", ".join(MODEL_KEYS) + "."),
     Setting("VLLM_OMNI_GRAPHDECODE_VERIFY", "0", _parse_bool, "verify",
             "1: the first replay of every new graph is checked against the eager step; a mismatch "
             "disables that graph (WARNING) and the request goes on eagerly. Costs one eager step "
             "per new graph."),
-    Setting("VLLM_OMNI_GRAPHDECODE_PRECAPTURE", "1", _parse_bool, "precapture",
+    Setting(PRECAPTURE_VAR, "1", _parse_bool, "precapture",
             "1: capture SenseNova-U1's decode graphs for the pre-capture buckets at model load, "
             "so the first request pays no capture. 0: capture lazily on first use."),
     Setting("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "auto", _choice("auto", "2", "3"), "fa_version",
@@ -113,13 +124,13 @@ SETTINGS: tuple[Setting, ...] = (
             "sensenova_intree",
             "vllm-omni >= 0.30 ships its own SenseNova-U1 paged decode: defer leaves it in charge; "
             "takeover replaces its decode context with this plugin's."),
-    Setting("VLLM_OMNI_GRAPHDECODE_BUCKETS", "512,1024,2048,4096,8192", _int_list, "buckets",
+    Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),
-    Setting("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "512,1024,2048", _int_list,
-            "precapture_buckets",
-            "Buckets captured at model load when pre-capture is on (a think request reaches "
-            "these)."),
+    Setting(PRECAPTURE_BUCKETS_VAR, "", _int_list_or_unset, "precapture_buckets",
+            f"Buckets captured at model load when pre-capture is on (a think request reaches "
+            f"these); each must be one of {BUCKETS_VAR}. Unset: those buckets up to "
+            f"{PRECAPTURE_UP_TO}."),
     Setting("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "16", _positive_int, "max_entries",
             "Qwen-Image-2.1: most prefix-graph entries kept (LRU). Each live request branch "
             "(cond, uncond) holds one; 16 covers --max-num-seqs 8 with true CFG."),
@@ -169,13 +180,25 @@ def parse(environ: Mapping[str, str] | None = None) -> Config:
     for s in SETTINGS:
         raw = environ.get(s.var)
         values[s.field] = s.parse(s.var, s.default if raw is None else raw)
-    cfg = Config(**values)
-    if not set(cfg.precapture_buckets) <= set(cfg.buckets):
+    if not values["precapture_buckets"]:
+        values["precapture_buckets"] = (
+            tuple(b for b in values["buckets"] if b <= PRECAPTURE_UP_TO) or values["buckets"][:1])
+    elif values["precapture"] and not set(values["precapture_buckets"]) <= set(values["buckets"]):
+        # Checked only when pre-capture is on: off, the list is never read.
+        raw_pre = environ.get(PRECAPTURE_BUCKETS_VAR)
+        raw_buckets = environ.get(BUCKETS_VAR, _setting(BUCKETS_VAR).default)
+        missing = [b for b in values["precapture_buckets"] if b not in values["buckets"]]
         raise ConfigError(
-            f"VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS={_show(cfg.precapture_buckets)!r} is not "
-            f"accepted; accepted: buckets listed in VLLM_OMNI_GRAPHDECODE_BUCKETS "
-            f"({_show(cfg.buckets)})")
-    return cfg
+            f"{PRECAPTURE_BUCKETS_VAR}={raw_pre!r} is not accepted with "
+            f"{BUCKETS_VAR}={raw_buckets!r}: {', '.join(map(str, missing))} not among the buckets; "
+            f"accepted: buckets listed in {BUCKETS_VAR}. To change: list only those, unset "
+            f"{PRECAPTURE_BUCKETS_VAR} (the buckets up to {PRECAPTURE_UP_TO}), or set "
+            f"{PRECAPTURE_VAR}=0")
+    return Config(**values)
+
+
+def _setting(var: str) -> Setting:
+    return next(s for s in SETTINGS if s.var == var)
 
 
 _CONFIG: Config | None = None

@@ -1,4 +1,24 @@
-"""The CUDA graph memory pool every graph of this plugin is captured into.
+"""Capturing a CUDA graph, for both of this plugin's paths: one pool, one warm-up stream, one
+capture routine with recovery, one verify comparison.
+
+``capture(fn, device)`` is the only place a graph is recorded (``paged_decode`` and
+``prefix_graph`` both call it). Its workflow:
+
+1. Warm up ``WARMUPS`` times on the device's one warm-up stream (lazy initialisation: cuBLAS
+   handles and workspaces, Triton autotuning, torch.compile's first compile, first-call
+   allocations must not happen inside the capture). The second warm-up runs exactly what the
+   capture records, with whatever the first one cached in place; its output is the eager
+   reference verify mode may compare a replay with.
+2. Capture ``fn`` into vLLM's global graph pool, with ``capture_error_mode="thread_local"``:
+   another thread's CUDA work (a second request running eagerly on the same model, another
+   model's step) neither joins the capture nor invalidates it. torch's default, ``"global"``,
+   made such a thread fail with "operation not permitted when stream is capturing" and the
+   capture with it (seen on the H200: a second SenseNova-U1 request decoding eagerly while the
+   first captured).
+3. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
+   ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
+
+The memory pool:
 
 One pool, vLLM's global one (``current_platform.get_global_graph_pool()``): replays are serialized
 on one stream, so intermediates of different graphs may share memory and memory does not grow
@@ -15,9 +35,13 @@ into the pool and keeps it for the life of the process: the count never reaches 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Callable
 
 import torch
+
+WARMUPS = 2
 
 _lock = threading.Lock()
 _pools: dict[int, object] = {}  # device index -> the pool captures go to now
@@ -108,3 +132,87 @@ def _pin(pool, device: torch.device) -> tuple:
             x.add_(1)
     torch.cuda.current_stream(device).wait_stream(side)
     return graph, x
+
+
+class CaptureFailed(RuntimeError):
+    """Capturing a graph failed; the process was repaired and nothing of the attempt is kept."""
+
+    @property
+    def oom(self) -> bool:
+        return is_oom(self.__cause__)
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """An allocation failure, also when wrapped (an error caused by one)."""
+    while exc is not None:
+        if isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+            return True
+        text = str(exc)  # the CPU allocator raises a plain RuntimeError
+        if isinstance(exc, RuntimeError) and ("out of memory" in text.lower()
+                                              or "can't allocate memory" in text):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+@dataclasses.dataclass
+class Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    output: torch.Tensor  # the graph's static output: every replay overwrites it
+    reference: torch.Tensor  # the last warm-up's output: the eager step on the same inputs
+
+
+def capture(fn: Callable[[], torch.Tensor], device: torch.device | None = None, *,
+            pool=None, warmups: int = WARMUPS) -> Captured:
+    """Warm ``fn`` up and record it as a CUDA graph (see the module docstring).
+
+    ``fn`` must read only tensors whose addresses stay fixed while the graph lives, must not
+    synchronize with the host and must not branch in Python on tensor values. Raises
+    ``CaptureFailed``.
+    """
+    current = graph = None
+    try:
+        device = torch.device("cuda", _index(device))
+        current = torch.cuda.current_stream(device)
+        if pool is None:
+            pool = graph_pool(device)
+        side = warmup_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(max(1, warmups)):
+                reference = fn()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # Entering synchronizes the device, so the warm-up's reference is complete before
+        # anything else reads it.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            output = fn()
+    except Exception as exc:
+        graph = None
+        recover_failed_capture(device, pool, current)
+        raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
+    return Captured(graph, output, reference)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    exact: bool
+    max_abs_diff: float
+    limit: float
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, rtol: float) -> Comparison:
+    """A replay's output against the eager step's: equal, within ``rtol`` of the reference's
+    largest magnitude (at least 1), or not (NaN and a shape or dtype change are never ok).
+
+    Host syncs: verify mode only.
+    """
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return Comparison(False, False, float("inf"), 0.0)
+    if torch.equal(out, ref):
+        return Comparison(True, True, 0.0, 0.0)
+    diff = (out.float() - ref.float()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    limit = rtol * max(1.0, float(ref.float().abs().max()))
+    return Comparison(worst <= limit, False, worst, limit)  # NaN <= x is False

@@ -20,13 +20,21 @@ import sys
 import threading
 
 from . import config, stats
-from .hooks import HookRefused, check_signature
 from .hooks import load as load_hook
+from .patching import HookRefused, check_signature
+from .reasons import Reason
 
 RUNNER_MODULE = "vllm_omni.diffusion.worker.diffusion_model_runner"
 RUNNER_CLASS = "DiffusionModelRunner"
 LOAD_PARAMS = ("self", "memory_pool_context_fn", "load_format", "custom_pipeline_name")
 SUPPORTED_OMNI = ("0.24", "0.26", "0.28", "0.30")
+
+LOAD_MOVED = Reason("DiffusionModelRunner.load_model moved",
+                    "use a supported vllm-omni version (python -m vllm_omni_graphdecode doctor)")
+NO_RUNNER = Reason("DiffusionModelRunner not found",
+                   "use a supported vllm-omni version (python -m vllm_omni_graphdecode doctor)")
+HOOK_ERROR = Reason("hook error", "report this with the traceback in the log; the model is "
+                                  "served eagerly")
 
 logger = stats.logger
 _lock = threading.Lock()
@@ -59,10 +67,7 @@ def patch_runner_class(cls: type) -> bool:
         try:
             original = check_signature(cls, "load_model", LOAD_PARAMS)
         except HookRefused as exc:
-            logger.warning("graphdecode: not wiring any model: %s. Every model is served eagerly; "
-                           "supported vllm-omni: %s.", exc, ", ".join(SUPPORTED_OMNI))
-            stats.fallback("plugin", "load_model signature moved",
-                           "use a supported vllm-omni version", str(exc))
+            stats.refused("plugin", LOAD_MOVED.because(exc.reason.detail))
             return False
 
         @functools.wraps(original)
@@ -112,48 +117,18 @@ def _offer(model: str, candidates: list, cfg: config.Config, runner) -> str | No
         else:
             return None
     except Exception as exc:  # a hook that cannot even look must not break the load
-        stats.fallback(model, "hook failed while inspecting the pipeline",
-                       "report this with the traceback", repr(exc))
         logger.exception("graphdecode: %s hook failed while inspecting the pipeline", model)
+        stats.refused(model, HOOK_ERROR.because(f"inspecting the pipeline: {exc!r}"))
         return f"{model}: not wired (hook error: {exc!r})"
     try:
         return f"{model}: {hook.wire(target, cfg, runner)}"
     except HookRefused as exc:
-        # The refusal's own text is the reason: two different refusals must both reach the log.
-        stats.fallback(model, f"not wired: {exc}", "see the reason; the model is served eagerly")
-        return f"{model}: not wired ({exc})"
+        stats.refused(model, exc.reason)
+        return f"{model}: not wired ({exc.reason.describe()})"
     except Exception as exc:
-        stats.fallback(model, "hook raised while wiring", "report this with the traceback", repr(exc))
         logger.exception("graphdecode: %s hook raised while wiring; serving it eagerly", model)
+        stats.refused(model, HOOK_ERROR.because(f"wiring: {exc!r}"))
         return f"{model}: not wired (hook error: {exc!r})"
-
-
-class ReleaseOnSleep(dict):
-    """Set as ``runner.graph_runners``: its ``clear()`` also runs every hook's release callback.
-
-    Sleep level 2 discards the memory a CUDA graph was recorded against, so every graph must go
-    first. The one call every vllm-omni worker makes there is ``graph_runners.clear()`` (0.24-0.28
-    only that, guarded by ``hasattr``; 0.30 from ``DiffusionModelRunner.release_captured_graphs``).
-    No runner of 0.24-0.30 has the attribute itself; entries found there are kept.
-    """
-
-    def __init__(self, existing=None):
-        super().__init__(existing or {})
-        self.callbacks: list = []
-
-    def clear(self) -> None:
-        super().clear()
-        for callback in self.callbacks:
-            callback()
-
-
-def release_on_sleep(runner, callback) -> None:
-    """Run ``callback`` when vllm-omni puts ``runner`` to sleep at level 2 (or releases graphs)."""
-    current = getattr(runner, "graph_runners", None)
-    if not isinstance(current, ReleaseOnSleep):
-        current = ReleaseOnSleep(current)
-        runner.graph_runners = current
-    current.callbacks.append(callback)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -184,9 +159,7 @@ _finder = _PatchOnImport()
 def _patch_module(module) -> None:
     cls = getattr(module, RUNNER_CLASS, None)
     if cls is None:
-        logger.warning("graphdecode: %s has no %s; every model is served eagerly",
-                       RUNNER_MODULE, RUNNER_CLASS)
-        stats.fallback("plugin", "DiffusionModelRunner not found", "use a supported vllm-omni version")
+        stats.refused("plugin", NO_RUNNER.because(f"{RUNNER_MODULE} has no {RUNNER_CLASS}"))
         return
     patch_runner_class(cls)
 

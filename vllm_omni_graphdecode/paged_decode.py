@@ -1,8 +1,9 @@
 """Paged K/V buffers for single-token decode, and one captured CUDA graph per length bucket.
 
 Why: an autoregressive decode step of a 42-layer model is hundreds of small kernels, and issuing
-them from Python is what costs. Measured on an H200 (FACTS §4): SenseNova-U1's eager decode runs
-55.0 ms/token at context 512, ~14x above the time needed to read its weights once. A CUDA graph
+them from Python is what costs. Measured on an H200 (README, Performance): SenseNova-U1's eager
+decode on vllm-omni 0.26 runs 57 ms/token at context 512, ~14x above the time needed to read its
+weights once. A CUDA graph
 retires the dispatch, but capture needs fixed shapes while a ``DynamicCache`` grows its K/V with
 ``torch.cat`` every step. Padding the cache to a bucket and masking the tail gives fixed shapes,
 but the mask is what costs then (upstream measured 7.96-11.55 ms per step against 1.03 ms for
@@ -19,13 +20,13 @@ What is here:
   that holds the current sequence and may be smaller than the capacity, so every bucket's graph
   stays valid while the buffers do. At SenseNova-U1's shape (42 layers, 8 KV heads, d 128, bf16)
   a token slot costs 168 KiB: 336 MiB for 2048 tokens, 1.3 GiB for 8192.
-- ``DecodeGraphRunner``: one CUDA graph per (bucket, buffer generation), captured into vllm's
-  global graph pool. The step is given as a closure; this module knows no model.
+- ``DecodeGraphRunner``: one CUDA graph per (bucket, buffer generation), captured with
+  ``cuda_graphs.capture``. The step is given as a closure; this module knows no model.
 
 Scope: one sequence (batch 1), one query token per step, and one request at a time per cache: the
-caller must serialise (the SenseNova hook holds a non-blocking lock). Growth past the last bucket
-goes in steps of ``tail_step`` rather than doubling. Delete this module when vllm-omni drives
-decode through a scheduler-visible paged KV manager.
+caller serialises (``ar_session``). Growth past the last bucket goes in steps of ``tail_step``
+rather than doubling. Delete this module when vllm-omni drives decode through a scheduler-visible
+paged KV manager.
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import stats
+from . import cuda_graphs, stats
 
 logger = stats.logger
 
 BLOCK_SIZE = 16
 # verify: a graph whose first replay differs from the eager step by more than this fraction of the
 # largest eager logit is disabled. Graph and eager run the same kernels, so honest differences are
-# rounding (cuBLAS may pick another algorithm under capture); a stale address or a Python value
-# baked into the capture is off by O(1).
+# rounding (cuBLAS may pick another algorithm under capture, and a logit sums thousands of such
+# products); a stale address or a Python value baked into the capture is off by O(1).
 VERIFY_RTOL = 0.05
 
 
@@ -141,10 +142,8 @@ class PagedKVCache:
         new_v: list[torch.Tensor] = []
         try:
             for i in range(self.num_layers):
-                # Zeros, not empty: the reference kernel multiplies masked-out values by 0, and
-                # 0 * NaN from stale memory would be NaN.
-                k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                k = _alloc(shape, self.dtype, self.device)
+                v = _alloc(shape, self.dtype, self.device)
                 if keep:
                     _flat(k)[:keep].copy_(_flat(self.k[i])[:keep])
                     _flat(v)[:keep].copy_(_flat(self.v[i])[:keep])
@@ -179,6 +178,14 @@ class PagedKVCache:
         self._length = n
         self.seqused.fill_(n)
         self.slot.fill_(max(n - 1, 0))
+
+    def copy_from(self, other: "PagedKVCache", n: int) -> None:
+        """Take the first ``n`` tokens of ``other`` (same model, this one at least as large)."""
+        self.reserve(n)
+        for i in range(self.num_layers):
+            _flat(self.k[i])[:n].copy_(_flat(other.k[i])[:n])
+            _flat(self.v[i])[:n].copy_(_flat(other.v[i])[:n])
+        self._length = n
 
     def load(self, cache) -> int:
         """Copy a prefilled ``DynamicCache`` (``layers[i].keys`` ``[1, kv_heads, S, D]``) in.
@@ -232,13 +239,16 @@ class PagedKVCache:
         self.generation += 1
 
 
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """One K or V buffer (a seam for tests that inject an OOM at a chosen allocation). Zeros, not
+    empty: the reference kernel multiplies masked-out values by 0, and 0 * NaN from stale memory
+    would be NaN."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _flat(buf: torch.Tensor) -> torch.Tensor:
     """``(blocks, BLOCK_SIZE, H, D)`` viewed as ``(tokens, H, D)`` (identity block table)."""
     return buf.view(-1, buf.shape[2], buf.shape[3])
-
-
-class CaptureError(RuntimeError):
-    """Capturing a decode graph failed; nothing of the attempt is kept."""
 
 
 @dataclasses.dataclass
@@ -257,8 +267,7 @@ class DecodeGraphRunner:
     1. Key the step by ``(cache.bucket, cache.generation)``. Graphs of an older generation point
        at freed buffers: they are dropped as soon as the generation moves.
     2. A key disabled by verify, or ``graphs=False``, runs ``forward()`` eagerly.
-    3. No graph yet: warm up on a side stream (lazy allocations and cuBLAS workspaces happen
-       outside the capture), then capture into vllm's global graph pool. Warm-up and capture
+    3. No graph yet: ``cuda_graphs.capture`` (warm-ups, then the capture). Warm-up and capture
        rewrite the same K/V into the same slot, so they are idempotent.
     4. With ``verify``, the first replay of a new graph is compared with the eager step; a
        mismatch disables that graph (WARNING with the max difference) and the runner stays eager
@@ -282,6 +291,9 @@ class DecodeGraphRunner:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def buckets_captured(self) -> list[int]:
+        return sorted(b for b, g in self._graphs if g == self.cache.generation)
 
     def reset(self) -> None:
         """Start of a request: leave eager-after-mismatch mode (disabled graphs stay disabled)."""
@@ -325,32 +337,9 @@ class DecodeGraphRunner:
         return time.perf_counter() - start
 
     def _capture(self, key) -> _Graph:
-        from .cuda_graphs import graph_pool, recover_failed_capture, warmup_stream
-
-        graph = current = None
-        pool = self._pool
-        try:
-            current = torch.cuda.current_stream()
-            if pool is None:
-                pool = graph_pool(self.cache.device)
-            side = warmup_stream(current.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.forward()
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                output = self.forward()
-        except Exception as exc:
-            del graph
-            recover_failed_capture(self.cache.device, pool, current)
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # the failure may have left the stream unusable; report the first
-                pass
-            raise CaptureError(f"bucket {key[0]}: {type(exc).__name__}: {exc}") from exc
-        entry = _Graph(graph, output)
+        """Raises ``cuda_graphs.CaptureFailed`` (the process repaired, nothing kept)."""
+        captured = cuda_graphs.capture(self.forward, self.cache.device, pool=self._pool)
+        entry = _Graph(captured.graph, captured.output)
         self._graphs[key] = entry
         stats.count(self.model, "capture")
         logger.debug("graphdecode: %s captured decode graph bucket=%d generation=%d",
@@ -359,20 +348,18 @@ class DecodeGraphRunner:
 
     def _verify(self, key, entry: _Graph) -> torch.Tensor:
         entry.graph.replay()
-        replayed = entry.output.float().clone()
+        replayed = entry.output.clone()
         # Eager second: it rewrites this step's K/V slot, so a faulty graph leaves nothing behind.
         eager = self.forward()
-        ref = eager.float()
-        diff = (replayed - ref).abs().max().item()
-        limit = VERIFY_RTOL * max(1.0, ref.abs().max().item())
-        if not diff <= limit:  # also catches NaN
+        result = cuda_graphs.compare(replayed, eager, VERIFY_RTOL)
+        if not result.ok:
             self._graphs.pop(key, None)
             self._disabled.add(key)
             self.eager_after_mismatch = True
             stats.count(self.model, "verify_mismatch")
             logger.warning("graphdecode: %s decode graph for bucket %d differs from the eager step "
                            "(max |diff| %.4g > %.4g): graph disabled, this request continues "
-                           "eagerly", self.model, key[0], diff, limit)
+                           "eagerly", self.model, key[0], result.max_abs_diff, result.limit)
             return eager
         entry.verified = True
         stats.count(self.model, "verified")

@@ -9,10 +9,10 @@ Why this exists
     the model wired today (``hooks/qwen_image_21.py``); this file knows nothing about it.
 
 Numbers
-    Reported upstream (A800, Qwen-Image-2.1 1024x1024, 50 steps, CFG 4) for a change that added
-    graphs together with other attention work: text-to-image 8,863 -> 7,958 ms, two-reference edit
-    14,043 -> 10,380 ms. SGLang found no end-to-end gain from graphs on an RTX 4090. This file claims
-    no timing of its own: ``qwen_image_21.bench_cached_step`` measures eager vs replay at real shape.
+    Measured on an H200 at Qwen-Image-2.1's real shape (README, Performance): a cached step at
+    512x512 is 1.6x faster as a replay than diffusers' eager step (host-bound there), at 1024x1024
+    only ~3% (the step is kernel-bound: what the replay saves is launch gaps). The step body the
+    hook hands in decides the rest (``hooks/qwen_image_21``: exact or fast).
 
     Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
     bytes (Qwen-Image-2.1 bf16, batch 1: prefix 256 -> 134 MB; two-reference edit, prefix 8,448 ->
@@ -26,8 +26,8 @@ Workflow (``PrefixGraphs``)
        new one while fewer than ``max_entries`` exist (else the least recently used free one is
        evicted). The prefix K/V and per-request tensors are copied in once.
     2. ``run(entry, step)``: the per-step tensors are copied in; on the entry's first run the step
-       is warmed up on a side stream and captured into vLLM's global graph pool; the graph replays
-       and a clone of its output is returned. In verify mode a new graph's first replay is checked
+       is captured (``cuda_graphs.capture``: warm-ups, then the capture into vLLM's global graph
+       pool); the graph replays and a clone of its output is returned. In verify mode a new graph's first replay is checked
        against the caller's eager step; a mismatch makes that shape eager for the process.
     3. Whatever the graph cannot do (capacity, OOM, capture failure, verify mismatch) returns None
        with its reason counted in ``stats``; the caller then runs its own eager step.
@@ -55,31 +55,34 @@ from typing import Any, Callable
 
 import torch
 
-from . import stats
-from .cuda_graphs import graph_pool, recover_failed_capture, warmup_stream
+from . import cuda_graphs, stats
+from .reasons import Reason
 
 Tensor = torch.Tensor
 
-# Reasons counted in stats, one per kind of fallback: (reason, what to change).
-CAPACITY = ("every prefix-graph entry is held by a live request",
-            "raise VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (2 per concurrent request under true CFG)")
-OOM = ("out of device memory allocating a prefix-graph entry or capturing its graph",
-       "lower VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES or leave more free memory (gpu_memory_utilization)")
-CAPTURE_FAILED = ("CUDA graph capture of the cached step failed",
-                  "report this with the logged error; the shape runs eagerly for this process")
-VERIFY_MISMATCH = ("graph replay differed from the eager cached step (verify mode)",
-                   "report this with the logged difference; the shape runs eagerly for this process")
-UNTRACKABLE_OWNER = ("the request's cache object cannot be weakly referenced, so its prefix buffers "
-                     "could not be kept from other requests", "report this (the cache type changed)")
-STEP_MISMATCH = ("a step's inputs changed shape or dtype within one request",
-                 "report this: the hook's key missed a shape")
-ENTRY_DROPPED = ("the request's prefix-graph entry was released while the request still used it",
-                 "report this; the request goes on eagerly")
+CAPACITY = Reason("every prefix-graph entry is held by a live request",
+                  "raise VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (2 per concurrent request under true CFG)")
+OOM = Reason("out of device memory allocating a prefix-graph entry or capturing its graph",
+             "lower VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES or leave more free memory "
+             "(gpu_memory_utilization)")
+CAPTURE_FAILED = Reason("CUDA graph capture of the cached step failed",
+                        "report this with the logged error; the shape runs eagerly for this process")
+VERIFY_MISMATCH = Reason("graph replay differed from the eager cached step (verify mode)",
+                         "report this with the logged difference; the shape runs eagerly for this "
+                         "process")
+UNTRACKABLE_OWNER = Reason("the request's cache object cannot be weakly referenced, so its prefix "
+                           "buffers could not be kept from other requests",
+                           "report this (the cache type changed)")
+STEP_MISMATCH = Reason("a step's inputs changed shape or dtype within one request",
+                       "report this: the hook's key missed a shape")
+ENTRY_DROPPED = Reason("the request's prefix-graph entry was released while the request still "
+                       "used it", "nothing to change; the request goes on eagerly")
 
-# Tolerance of verify mode. The replay runs the very kernels of the eager step on the same inputs, so
-# equality is expected and counted (``verify_exact``); this only keeps an ulp-level difference from a
-# kernel that picks its algorithm per stream from disabling a correct graph (``verify_close``).
-_VERIFY_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Tolerance of verify mode, relative to the eager output's largest magnitude. The replay runs the
+# very kernels of the eager step on the same inputs, so equality is expected and counted
+# (``verify_exact``); this only keeps an ulp-level difference from a kernel that picks its
+# algorithm per stream from disabling a correct graph (``verify_close``).
+_VERIFY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,20 +150,6 @@ def _signature(prefix, request, step) -> tuple:
 
 
 
-def _compare(out: Tensor, ref: Tensor) -> tuple[bool, bool, float]:
-    """(acceptable, exact, max abs difference) of a replay against the eager step."""
-    if out.shape != ref.shape or out.dtype != ref.dtype:
-        return False, False, float("inf")
-    if torch.equal(out, ref):
-        return True, True, 0.0
-    diff = (out.float() - ref.float()).abs()
-    worst = float(diff.max()) if diff.numel() else 0.0
-    if diff.isnan().any():
-        return False, False, float("nan")
-    scale = max(1.0, float(ref.float().abs().max()))
-    return worst <= _VERIFY_TOL.get(ref.dtype, 1e-4) * scale, False, worst
-
-
 class PrefixGraphs:
     """Pooled static-buffer entries, each with one captured cached step. See the module docstring.
 
@@ -184,7 +173,7 @@ class PrefixGraphs:
         self.capture = capture
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
         self._by_owner: dict[int, Entry] = {}
-        self._eager: dict[tuple, tuple[str, str]] = {}  # (key, sig) -> reason, for this process
+        self._eager: dict[tuple, Reason] = {}  # (key, sig) -> why it runs eagerly, in this process
         self._lock = threading.RLock()
 
     # -- owners and entries -------------------------------------------------------------------
@@ -225,7 +214,7 @@ class PrefixGraphs:
             try:
                 ref = weakref.ref(owner)
             except TypeError:
-                self._fallback(UNTRACKABLE_OWNER, key, type(owner).__name__)
+                self._fallback(UNTRACKABLE_OWNER.because(type(owner).__name__), key)
                 return None
             entry = self._take_free(key, sig)
             if entry is None:
@@ -279,7 +268,7 @@ class PrefixGraphs:
 
     def _new_entry(self, key, sig, prefix, request, step) -> Entry | None:
         if len(self._entries) >= self.max_entries and not self._evict_one_free():
-            self._fallback(CAPACITY, key, f"max_entries={self.max_entries}")
+            self._fallback(CAPACITY.because(f"max_entries={self.max_entries}"), key)
             return None
         def allocate() -> StaticBuffers:
             return StaticBuffers(
@@ -302,7 +291,7 @@ class PrefixGraphs:
                 except torch.OutOfMemoryError as again:
                     exc = again
             if buffers is None:
-                self._mark_eager(key, sig, OOM, repr(exc))
+                self._mark_eager(key, sig, OOM.because(repr(exc)))
                 return None
         entry = Entry(key=key, sig=sig, buffers=buffers)
         self._entries[id(entry)] = entry
@@ -331,10 +320,10 @@ class PrefixGraphs:
         self._entries.pop(id(entry), None)
         entry.graph = entry.output = entry.buffers = None
 
-    def _mark_eager(self, key: PrefixKey, sig: tuple, reason: tuple[str, str], detail: str) -> None:
+    def _mark_eager(self, key: PrefixKey, sig: tuple, reason: Reason) -> None:
         self._eager[(key, sig)] = reason
         self._drop_free_of(key, sig)
-        self._fallback(reason, key, detail)
+        self._fallback(reason, key)
 
     def _drop_free_of(self, key: PrefixKey, sig: tuple) -> None:
         # Entries of a shape that runs eagerly never replay again; a live one is dropped by the
@@ -342,8 +331,9 @@ class PrefixGraphs:
         for entry in [e for e in self._entries.values() if (e.key, e.sig) == (key, sig) and not e.live()]:
             self._drop(entry)
 
-    def _fallback(self, reason: tuple[str, str], key: PrefixKey, detail: str = "") -> None:
-        stats.fallback(self.model, reason[0], reason[1], f"{key}; {detail}" if detail else str(key))
+    def _fallback(self, reason: Reason, key: PrefixKey) -> None:
+        detail = f"{key}; {reason.detail}" if reason.detail else str(key)
+        stats.fallback(self.model, reason.because(detail))
 
     # -- running a step -----------------------------------------------------------------------
 
@@ -364,7 +354,7 @@ class PrefixGraphs:
         for name, t in step.items():
             buf = bufs.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                self._fallback(STEP_MISMATCH, entry.key, name)
+                self._fallback(STEP_MISMATCH.because(name), entry.key)
                 return None
             # The graph reads this address, not the caller's tensor: copy in, never rebind.
             buf.copy_(t)
@@ -385,56 +375,37 @@ class PrefixGraphs:
         return out
 
     def _capture(self, entry: Entry) -> Tensor | None:
-        """Warm up and capture ``entry``'s step; the warm-up's output, or None (reason counted)."""
-        device = torch.device(entry.key.device)
+        """Capture ``entry``'s step; the warm-up's output (the eager step on these inputs, verify's
+        fallback reference), or None (reason counted)."""
         with self._lock:
-            pool = current = None
             try:
-                if device.index is None:
-                    device = torch.device(device.type, torch.cuda.current_device())
-                side = warmup_stream(device)
-                current = torch.cuda.current_stream(device)
-                # Warm up outside the capture: lazy initialisation (cuBLAS handles and workspaces,
-                # autotuning, first-call allocations) must not happen while capturing. The warm-up
-                # output is the eager step on these very inputs: verify's fallback reference.
-                side.wait_stream(current)
-                with torch.cuda.stream(side):
-                    reference = self.step_fn(entry.buffers)
-                current.wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                pool = graph_pool(device)
-                # One pool for every graph, vLLM's included: replays are serialized on one stream, so
-                # intermediates of different graphs may share memory, and memory does not grow with
-                # each capture. Entering synchronizes the device, so the side stream's reference is
-                # complete before anything else reads it. thread_local: other threads' CUDA calls
-                # neither join this capture nor invalidate it.
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    output = self.step_fn(entry.buffers)
-            except torch.OutOfMemoryError as exc:
-                recover_failed_capture(device, pool, current)
-                self._evict_free()
-                self._mark_eager(entry.key, entry.sig, OOM, repr(exc))
+                captured = cuda_graphs.capture(lambda: self.step_fn(entry.buffers),
+                                               torch.device(entry.key.device))
+            except cuda_graphs.CaptureFailed as exc:
+                if exc.oom:
+                    self._evict_free()
+                    self._mark_eager(entry.key, entry.sig, OOM.because(exc))
+                else:  # any other capture error: this shape stays eager, the step goes on
+                    self._mark_eager(entry.key, entry.sig, CAPTURE_FAILED.because(exc))
+                    stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
                 return None
-            except Exception as exc:  # any capture error: this shape stays eager, the step goes on
-                recover_failed_capture(device, pool, current)
-                self._mark_eager(entry.key, entry.sig, CAPTURE_FAILED, repr(exc))
-                stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
-                return None
-            entry.graph, entry.output = graph, output
+            entry.graph, entry.output = captured.graph, captured.output
             stats.count(self.model, "capture")
-            return reference
+            return captured.reference
 
     def _verify(self, entry: Entry, out: Tensor, reference: Tensor) -> Tensor:
-        ok, exact, worst = _compare(out, reference)
-        if exact:
+        result = cuda_graphs.compare(out, reference, _VERIFY_RTOL.get(reference.dtype, 1e-4))
+        if result.exact:
             stats.count(self.model, "verify_exact")
             return out
-        if ok:
+        if result.ok:
             stats.count(self.model, "verify_close")
             stats.logger.info("graphdecode: %s graph replay within tolerance of the eager step "
-                              "(max abs diff %.3g) for %s", self.model, worst, entry.key)
+                              "(max abs diff %.3g) for %s", self.model, result.max_abs_diff,
+                              entry.key)
             return out
         # Disable every graph of this shape; this step returns the eager result it was checked against.
         entry.graph = entry.output = None
-        self._mark_eager(entry.key, entry.sig, VERIFY_MISMATCH, f"max abs diff {worst:.3g}")
+        self._mark_eager(entry.key, entry.sig,
+                         VERIFY_MISMATCH.because(f"max abs diff {result.max_abs_diff:.3g}"))
         return reference

@@ -20,12 +20,15 @@ import os
 import threading
 import time
 
+from .reasons import Reason
+
 # vllm attaches its handlers to the "vllm" logger only: a logger outside that tree loses INFO.
 logger = logging.getLogger("vllm.vllm_omni_graphdecode")
 
 _lock = threading.Lock()
 _counters: collections.Counter[str] = collections.Counter()
 _fallbacks: collections.Counter[tuple[str, str]] = collections.Counter()
+_degraded: collections.Counter[tuple[str, str]] = collections.Counter()
 _wired: list[str] = []
 _warned: set[tuple[str, str]] = set()
 
@@ -42,32 +45,35 @@ def count(model: str, event: str, n: int = 1) -> None:
         _maybe_dump()
 
 
-def fallback(model: str, reason: str, hint: str, detail: str = "") -> None:
-    """Record that ``model`` ran eagerly because of ``reason`` (a short stable string).
-
-    ``hint`` says what to change to get the fast path; ``detail`` is context for the first log line.
-    """
-    _record(model, reason, "runs eagerly", "To use the graph path", hint, detail)
+def fallback(model: str, reason: Reason) -> None:
+    """Record that ``model`` ran eagerly because of ``reason`` (counted under ``reason.key``; the
+    first occurrence in the process is logged at WARNING with its detail and hint)."""
+    _record(_fallbacks, model, reason, "runs eagerly", "To use the graph path")
 
 
-def degraded(model: str, reason: str, hint: str, detail: str = "") -> None:
-    """Record that ``model``'s graph path runs without one of its optimisations (counted under
-    ``reason`` with the fallbacks, logged once the same way)."""
-    _record(model, reason, "runs the graph path without an optimisation", "To get it", hint,
-            detail)
+def degraded(model: str, reason: Reason) -> None:
+    """Record that ``model``'s graph path runs without one of its optimisations (counted apart
+    from the eager fallbacks, under ``reason.key``; logged once the same way)."""
+    _record(_degraded, model, reason, "runs the graph path without an optimisation", "To get it")
 
 
-def _record(model, reason, what, to_get, hint, detail) -> None:
-    key = (model, reason)
+def refused(model: str, reason: Reason) -> None:
+    """Record that ``model`` was not wired at load because of ``reason`` (counted with the
+    fallbacks, logged once the same way; the load's INFO line says it too)."""
+    _record(_fallbacks, model, reason, "is not wired and is served eagerly", "To wire it")
+
+
+def _record(counter, model: str, reason: Reason, what: str, to_get: str) -> None:
+    key = (model, reason.key)
     with _lock:
-        _fallbacks[key] += 1
+        counter[key] += 1
         first = key not in _warned
         _warned.add(key)
     _maybe_dump(force=first)
     if first:
-        extra = f" ({detail})" if detail else ""
+        extra = f" ({reason.detail})" if reason.detail else ""
         logger.warning("graphdecode: %s %s: %s%s. %s: %s. (logged once per process; counted in "
-                       "stats)", model, what, reason, extra, to_get, hint)
+                       "stats)", model, what, reason.key, extra, to_get, reason.hint)
 
 
 def wired(line: str) -> None:
@@ -86,12 +92,18 @@ def fallbacks(model: str | None = None) -> dict[str, int]:
         return {f"{m}: {r}": n for (m, r), n in _fallbacks.items() if model in (None, m)}
 
 
+def degraded_paths(model: str | None = None) -> dict[str, int]:
+    with _lock:
+        return {f"{m}: {r}": n for (m, r), n in _degraded.items() if model in (None, m)}
+
+
 def snapshot() -> dict:
     with _lock:
         return {
             "wired": list(_wired),
             "counters": dict(sorted(_counters.items())),
             "fallbacks": {f"{m}: {r}": n for (m, r), n in sorted(_fallbacks.items())},
+            "degraded": {f"{m}: {r}": n for (m, r), n in sorted(_degraded.items())},
         }
 
 
@@ -153,6 +165,7 @@ def reset() -> None:
     with _lock:
         _counters.clear()
         _fallbacks.clear()
+        _degraded.clear()
         _wired.clear()
         _warned.clear()
     _dump.update(resolved=False, path="", last=0.0)

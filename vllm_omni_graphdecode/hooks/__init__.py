@@ -1,53 +1,43 @@
-"""Per-model hooks. One module per model; ``loading`` offers each loaded pipeline to them.
+"""The model registry: the one list of models this plugin wires. Config, the loader, ``doctor``
+and the tests read it; adding a model is a hook package (or module) here plus one line below.
 
 A hook module exposes:
 
-    MODEL: str                           the key used in VLLM_OMNI_GRAPHDECODE
-    find_target(pipeline) -> obj | None  the object it would wire in this loaded pipeline, or None
-    wire(target, cfg, runner) -> str     patch it; return a one-line summary for the load log.
-                                         Raise HookRefused(reason) to leave it untouched.
-    support() -> dict[str, str]          vllm-omni version -> what happens (doctor, README)
+    MODEL: str                            its key (the row's key below)
+    find_target(pipeline) -> obj | None   the object it would wire in this loaded pipeline, or None
+    wire(target, cfg, runner) -> str      patch it; return a one-line summary for the load log.
+                                          Raise ``patching.HookRefused(reason)`` to leave it alone.
+    support() -> dict[str, str]           vllm-omni version -> what happens (doctor, README)
 
-Runtime fallbacks (a request the fast path cannot take) go through ``stats.fallback``.
+Importing this package is cheap (no model code); a hook module is imported only when a loaded
+pipeline is offered to it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
 from types import ModuleType
-from typing import Callable, Iterable
-
-HOOK_MODULES = {
-    "sensenova_u1": "vllm_omni_graphdecode.hooks.sensenova_u1",
-    "qwen_image_21": "vllm_omni_graphdecode.hooks.qwen_image_21",
-}
 
 
-class HookRefused(Exception):
-    """The hook will not wire this model; the message says why and the model stays eager."""
+@dataclasses.dataclass(frozen=True)
+class Model:
+    key: str  # the value in VLLM_OMNI_GRAPHDECODE and the stats prefix
+    title: str
+    module: str  # the hook, imported on first use
 
 
-def load(model: str) -> ModuleType:
-    return importlib.import_module(HOOK_MODULES[model])
+MODELS: tuple[Model, ...] = (
+    Model("sensenova_u1", "SenseNova-U1", "vllm_omni_graphdecode.hooks.sensenova_u1"),
+    Model("qwen_image_21", "Qwen-Image-2.1", "vllm_omni_graphdecode.hooks.qwen_image_21"),
+)
+
+MODEL_KEYS: tuple[str, ...] = tuple(m.key for m in MODELS)
 
 
-def check_signature(owner: object, name: str, params: Iterable[str]) -> Callable:
-    """Return ``owner.name`` after checking it takes ``params`` (in order, as the leading ones).
-
-    Raises HookRefused naming what moved, so a changed upstream method leaves the model eager
-    instead of being patched blind.
-    """
-    fn = getattr(owner, name, None)
-    where = f"{getattr(owner, '__qualname__', type(owner).__qualname__)}.{name}"
-    if fn is None or not callable(fn):
-        raise HookRefused(f"{where} not found")
-    try:
-        actual = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        raise HookRefused(f"{where} has no readable signature") from None
-    expected = list(params)
-    if actual[: len(expected)] != expected:
-        raise HookRefused(f"{where} signature moved: expected ({', '.join(expected)}, ...), "
-                          f"found ({', '.join(actual)})")
-    return fn
+def load(key: str) -> ModuleType:
+    """The hook module of ``key`` (one of ``MODEL_KEYS``)."""
+    for model in MODELS:
+        if model.key == key:
+            return importlib.import_module(model.module)
+    raise KeyError(f"no hook for {key!r}; known: {', '.join(MODEL_KEYS)}")

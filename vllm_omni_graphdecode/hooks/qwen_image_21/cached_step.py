@@ -1,0 +1,275 @@
+"""Qwen-Image-2.1's cached step, wired onto one transformer: the patched ``forward``, the
+checks each step passes, the binding of a request's prefix, and the step body a graph records.
+
+What runs where on a cached step
+    once per request branch (bind), eager: the target's rotary rows and modulation mask from the
+        model's own ``pos_embed`` and ``build_token_metadata`` (host syncs: ``.tolist()``,
+        ``nonzero``, ``int()``), checked against the cached prefix length; the prefix K/V copied
+        into buffers the request owns, and the request's cache re-pointed at them (so they are not
+        held twice).
+    every step, eager: a few Python checks (the transformer's structure fingerprint among them:
+        an adapter or hook added in the middle of a request drops every graph) and two copies
+        (latents, timestep). No host sync.
+    captured: ``img_in``, timestep embedding and the shared modulation, all blocks, ``norm_out``,
+        ``proj_out``.
+    The forward's prologue (text projection, ``repeat_interleave``, rotary over the whole
+    sequence, token metadata, boolean-index scatter) does not run on a cached step at all: what it
+    yields for the target rows is fixed per request.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import eligibility, stats
+from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
+from . import names
+from .rules import (AUTOGRAD, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
+                    structure_reason)
+
+MODEL = "qwen_image_21"
+
+
+class CachedStepGraphs:
+    """The wiring on one transformer: its patched ``forward``, the ``PrefixGraphs`` behind it, and
+    the original forward every non-cached or ineligible step goes to. Returned by ``enable``.
+
+    ``original`` is the forward as it was before wiring (for baselines); ``graphs`` the mechanism;
+    ``disable()`` puts the forward back and drops every graph.
+    """
+
+    def __init__(self, transformer, *, max_entries: int, verify: bool, capture: bool = True):
+        self.d = names.resolve()
+        self.transformer = transformer
+        self.original = transformer.forward
+        self.graphs = PrefixGraphs(MODEL, self._step, max_entries=max_entries, verify=verify,
+                                   capture=capture)
+        # With capture off (CPU tests, the benchmark's static baseline) the device is not a reason.
+        self.require_cuda = capture
+        # The transformer's structure at the last bind: a change in the middle of a request (an
+        # adapter, a hook, offload, compile) drops every graph captured under the old one.
+        self._structure: tuple | None = None
+        self._patched = self.forward
+        self._patched.__func__.__graphdecode__ = True
+        transformer.forward = self._patched
+        transformer._graphdecode_qwen = self
+
+    def disable(self) -> None:
+        tf = self.transformer
+        if tf.__dict__.get("forward") is self._patched:
+            del tf.__dict__["forward"]
+        if tf.__dict__.get("_graphdecode_qwen") is self:
+            del tf.__dict__["_graphdecode_qwen"]
+        self.graphs.release_all()
+
+    def release_graphs(self) -> None:
+        """Drop every entry and graph (sleep level 2); the next cached step binds and captures anew."""
+        self.graphs.release_all()
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
+                encoder_hidden_states_mask=None, attention_kwargs=None, kv_cache=None,
+                kv_cache_mode=None, return_dict=True):
+        def run_original(return_dict=return_dict):
+            return self.original(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                timestep=timestep, img_shapes=img_shapes, img_mask=img_mask,
+                encoder_hidden_states_mask=encoder_hidden_states_mask,
+                attention_kwargs=attention_kwargs, kv_cache=kv_cache, kv_cache_mode=kv_cache_mode,
+                return_dict=return_dict)
+
+        if kv_cache_mode == "cached" and kv_cache is not None:
+            out = self._cached_step(hidden_states, timestep, img_shapes, img_mask,
+                                    encoder_hidden_states_mask, kv_cache,
+                                    eager=lambda: run_original(return_dict=False)[0])
+            if out is not None:
+                return self.d.output_cls(sample=out) if return_dict else (out,)
+            if not torch.compiler.is_compiling():
+                stats.count(MODEL, "eager_step")
+        return run_original()
+
+    # -- one cached step ---------------------------------------------------------------------
+
+    def _cached_step(self, hidden_states, timestep, img_shapes, img_mask, text_mask, kv_cache, eager):
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile (the whole model compiled after wiring): leave it to the
+            # original forward. Not counted: a counter call here would break the traced graph;
+            # compile applied before wiring is refused at wire time and counted there.
+            return None
+        if self.require_cuda and hidden_states.device.type != "cuda":
+            stats.fallback(MODEL, NOT_CUDA.because(hidden_states.device))
+            return None
+        if torch.is_grad_enabled():
+            stats.fallback(MODEL, AUTOGRAD)
+            return None
+        if text_mask is not None:
+            stats.fallback(MODEL, PADDED)
+            return None
+        structure = eligibility.fingerprint(self.transformer)
+        if structure != self._structure:
+            if self._structure is not None:
+                # Graphs captured before froze the old structure (e.g. no adapter): none may replay.
+                self.graphs.release_all()
+                stats.count(MODEL, "structure_changed")
+            self._structure = structure
+        backend = names.backend_name(self.d, self.transformer)
+        entry = self.graphs.lookup(kv_cache)
+        if entry is None or not self._still_bound(entry, kv_cache, hidden_states, timestep,
+                                                  img_shapes, img_mask, backend):
+            if entry is not None and not _reads_entry(kv_cache, entry):
+                self.graphs.release(kv_cache)  # re-extracted: the old buffers are unread, pool them
+            entry = self._bind(kv_cache, hidden_states, timestep, img_shapes, img_mask, backend)
+            if entry is None:
+                return None
+        # eager: diffusers' own cached forward, what verify mode checks a new graph against.
+        return self.graphs.run(entry, {"latents": hidden_states, "timestep": timestep}, eager=eager)
+
+    def _still_bound(self, entry, kv_cache, hidden_states, timestep, img_shapes, img_mask,
+                     backend) -> bool:
+        """Whether the owner's binding still describes this step. No host sync."""
+        meta = entry.meta
+        if (meta.get("layout") != _layout_sig(img_shapes, img_mask)
+                or meta.get("step") != _step_sig(hidden_states, timestep)
+                or entry.key.backend != backend):
+            return False
+        # A new extract into the same cache object stores new tensors: re-copy then.
+        for i, (k, v) in enumerate(entry.buffers.prefix):
+            layer = kv_cache.get_layer(i)
+            if layer.k is not k or layer.v is not v:
+                return False
+        return True
+
+    def _bind(self, kv_cache, hidden_states, timestep, img_shapes, img_mask, backend):
+        tf = self.transformer
+        device = hidden_states.device
+        found = structure_reason(tf, device)
+        if found is not None:
+            stats.fallback(MODEL, found)
+            return None
+        prefix = self._read_prefix(kv_cache, hidden_states)
+        if prefix is None:
+            return None
+        prefix_len = prefix[0][0].shape[1]
+        layout = self._target_layout(hidden_states, img_shapes, img_mask, prefix_len)
+        if layout is None:
+            return None
+        rotary, target_mask = layout
+        key = PrefixKey(batch=hidden_states.shape[0], prefix_len=prefix_len,
+                        target=(hidden_states.shape[1], rotary.shape[0]), dtype=tf.img_in.weight.dtype,
+                        device=str(device), backend=backend)
+        entry = self.graphs.bind(kv_cache, key, prefix,
+                                 request={"rotary": rotary, "target_mask": target_mask},
+                                 step={"latents": hidden_states, "timestep": timestep})
+        if entry is None:
+            return None
+        for i, (k, v) in enumerate(entry.buffers.prefix):
+            # The request now reads its prefix from buffers it owns while it lives (an eager step
+            # later in this request sees the same values), and the extract step's copies are freed.
+            kv_cache.get_layer(i).store(k, v)
+        entry.meta.update(layout=_layout_sig(img_shapes, img_mask),
+                          step=_step_sig(hidden_states, timestep))
+        return entry
+
+    def _read_prefix(self, kv_cache, hidden_states):
+        tf = self.transformer
+        n_layers = len(tf.transformer_blocks)
+        dtype = tf.img_in.weight.dtype
+        prefix = []
+        for i in range(n_layers):
+            try:
+                layer = kv_cache.get_layer(i)
+            except (AttributeError, IndexError, TypeError):
+                stats.fallback(MODEL, LAYOUT.because(
+                    f"cache of type {type(kv_cache).__name__} has no layer {i} (model has "
+                    f"{n_layers})"))
+                return None
+            if type(layer) is not self.d.layer_cache_cls:
+                stats.fallback(MODEL, QUANT_KV.because(f"layer cache is {type(layer).__name__}"))
+                return None
+            k, v = layer.k, layer.v
+            if k is None or v is None:
+                stats.fallback(MODEL, NOT_POPULATED.because(f"layer {i}"))
+                return None
+            for t in (k, v):
+                if type(t) is not torch.Tensor or t.dtype != dtype:
+                    stats.fallback(MODEL, QUANT_KV.because(
+                        f"layer {i}: {type(t).__name__} {getattr(t, 'dtype', None)}, model {dtype}"))
+                    return None
+            if (k.dim() != 4 or k.shape != v.shape or k.shape[0] != hidden_states.shape[0]
+                    or k.device != hidden_states.device
+                    or (prefix and k.shape != prefix[0][0].shape)):
+                stats.fallback(MODEL, LAYOUT.because(
+                    f"layer {i}: k {tuple(k.shape)} v {tuple(v.shape)} on {k.device}"))
+                return None
+            prefix.append((k, v))
+        return prefix
+
+    def _target_layout(self, hidden_states, img_shapes, img_mask, prefix_len):
+        """The target rows' rotary (complex, ``(T, head_dim // 2)``) and modulation mask (bool,
+        ``(T,)``), from the model's own functions; None when the cache does not fit this layout.
+        Host syncs: once per request branch."""
+        tf = self.transformer
+        try:
+            slots = img_mask[0]
+            # Each vision-language image slot stands for a 2x2 group of latent tokens.
+            image_tokens = torch.repeat_interleave(slots, torch.where(slots, self.d.tokens_per_slot, 1))
+            target_tokens = math.prod(img_shapes[0][-1])
+            rotary = tf.pos_embed(img_shapes[0], image_tokens, device=hidden_states.device)
+            _, target_mask = tf.build_token_metadata(image_tokens, img_shapes[0])
+            counts = torch.stack([(~target_mask).sum(), target_mask[prefix_len:].sum(),
+                                  image_tokens.sum()]).tolist()
+        except (ValueError, IndexError, RuntimeError, TypeError) as exc:
+            stats.fallback(MODEL, LAYOUT.because(repr(exc)))
+            return None
+        non_target, target_in_tail, n_image = counts
+        # The cached step keeps only the joint sequence's tail: the target image must be all of it.
+        if (non_target != prefix_len or target_in_tail != target_tokens
+                or image_tokens.shape[0] != prefix_len + target_tokens
+                or hidden_states.shape[1] != n_image or hidden_states.shape[1] < target_tokens):
+            stats.fallback(MODEL, LAYOUT.because(
+                f"cached prefix {prefix_len}, layout prefix {non_target}, target {target_tokens}, "
+                f"latents {hidden_states.shape[1]} of {n_image}"))
+            return None
+        return rotary[prefix_len:], target_mask[prefix_len:]
+
+    def _step(self, bufs: StaticBuffers) -> torch.Tensor:
+        """The cached step over static buffers: what the graph replays. Mirrors the transformer's
+        ``"cached"`` path from ``img_in`` to ``proj_out``, with the prologue's per-request results
+        read from ``bufs.request``."""
+        tf = self.transformer
+        rotary, target_mask = bufs.request["rotary"], bufs.request["target_mask"]
+        target_tokens = rotary.shape[0]  # a Python int frozen into the graph; part of the key
+        # img_in over every latent token, as the forward does, so the GEMM shape (hence its bits) match.
+        hidden = tf.img_in(bufs.step["latents"])[:, -target_tokens:]
+        timestep = bufs.step["timestep"].to(hidden.dtype)
+        # The extra t=0 row is what prefix tokens modulate from (causal_condition); the target rows'
+        # mask selects the real rows, exactly as the forward does.
+        timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        temb = tf.time_text_embed(timestep, hidden)
+        modulation = tf.modulation(temb)
+        for block, (k, v) in zip(tf.transformer_blocks, bufs.prefix):
+            layer = self.d.layer_cache_cls()
+            layer.store(k, v)
+            hidden = block(hidden_states=hidden, modulation=modulation, rotary_emb=rotary,
+                           attention_mask=None, target_token_mask=target_mask, layer_cache=layer,
+                           kv_cache_mode="cached")
+        hidden = tf.norm_out(hidden, temb, target_mask)
+        return tf.proj_out(hidden)
+
+
+def _reads_entry(kv_cache, entry) -> bool:
+    """Whether any layer of the cache still points at the entry's prefix buffers."""
+    for i, (k, v) in enumerate(entry.buffers.prefix):
+        layer = kv_cache.get_layer(i)
+        if layer.k is k or layer.v is v:
+            return True
+    return False
+
+
+def _layout_sig(img_shapes, img_mask) -> tuple:
+    return tuple(tuple(s) for s in img_shapes[0]), tuple(img_mask.shape)
+
+
+def _step_sig(hidden_states, timestep) -> tuple:
+    return (tuple(hidden_states.shape), hidden_states.dtype, tuple(timestep.shape), timestep.dtype)

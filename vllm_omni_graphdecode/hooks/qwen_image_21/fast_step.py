@@ -1,0 +1,550 @@
+"""Qwen-Image-2.1's cached step, fast mode: the block loop with the fastest kernels this GPU has.
+
+Why this exists
+    The exact mode replays diffusers' own blocks (per layer a ``torch.cat`` of prefix and target
+    K/V, SDPA, a dozen unfused elementwise kernels). This is the same math with three changes, still
+    captured as one graph per entry by ``prefix_graph``:
+    1. ``KVBuffers``: per layer one K and one V buffer ``(B, prefix + target, H, D)``; the prefix is
+       written once at bind, each step writes the target's K/V into the tail in place (no cat).
+    2. ``select_dense_attention``: vllm's FA3 on Hopper, FA2 elsewhere, SDPA last; chosen once,
+       with the reason each faster kernel was skipped.
+    3. ``FastBlocks(compile=True)``: Inductor fuses the elementwise work in two regions shared by
+       all 32 blocks (weights are arguments, so nothing per module is guarded): *pre-attention*
+       (norm1 + modulate, q/k/v, q/k RMSNorm, rotary) and *post-attention* (to_out, gated residual,
+       norm2 + modulate, SwiGLU, gated residual). The tail write and the attention run between
+       them, uncompiled: no prefix length reaches a compiled region, so prompts of any length reuse
+       the code compiled for a (batch, target shape).
+
+Numbers (FACTS section 4; H200, real shape, 1024x1024, no graph): diffusers' cached step 143.6 ms,
+with ``compile_repeated_blocks`` 116.3 ms. One attention call, 4,096 queries: 4,352 keys SDPA 0.83
+vs FA3 0.43 ms; 12,544 keys 2.44 vs 1.16 ms. None is this module's own until
+``benchmarks/qwen_fast_probe.py`` has run.
+
+Precision
+    ``compile=False`` with SDPA is diffusers' cached block op for op (``RMSNorm``,
+    ``apply_rotary_emb_qwen(use_real=False)`` and ``_modulate`` are restated, not called, so the
+    regions are plain functions of tensors): bit for bit on CPU in fp32 and bf16 (the tests).
+    ``compile=True`` changes two things. Rotary runs in real arithmetic (Inductor has no complex
+    codegen and would fall back to eager kernels; on CPU the two forms are bitwise equal). And
+    Inductor's ``emulate_precision_casts`` is on (``emulate_casts=True``): a fused kernel rounds to
+    bf16 wherever eager materializes a bf16 tensor instead of carrying fp32 through, so only sum
+    order and libdevice ulps differ. Measured on CPU (tiny model, bf16): bit-exact with it, 0.625
+    max abs diff on outputs up to 25 without. FA3/FA2 accumulate in fp32 like SDPA's flash kernel
+    (6e-4 max abs from fp32 SDPA for the paged call on the H200).
+
+Memory per entry: 2 x layers x B x (prefix + target) x H x D x dtype bytes; the tail adds 32 MiB
+per tensor per layer at 1024x1024 bf16 (2 GiB for 32 layers) over prefix-only buffers.
+``fuse_qkv=True`` copies 3 x hidden^2 weights per layer (3 GiB at the real shape), once at
+construction: rebuild ``FastBlocks`` after the weights change.
+
+Preconditions (the caller checks them at bind): the step's rows are the target image only, with an
+all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
+``modulation[:-1]``); no padded text mask; ``structure_problem`` is None. Not covered: padded text
+(key_valid), FA4, FP8. Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
+option) sets per process; past it a call raises ``CompileFailed`` and the exact step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import shutil
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# Reasons, as the hook's (reason, hint) pairs: the reason is a stable stats key.
+NOT_CUDA = ("not CUDA", "run on a CUDA GPU")
+NOT_HALF = ("FlashAttention needs fp16/bf16", "run the transformer in bfloat16")
+BAD_HEAD_DIM = ("head_dim not a multiple of 8 or > 256",
+                "nothing to change: FlashAttention does not take this head size")
+FA_IMPORT = ("FlashAttention import failed", "use a CUDA build of vllm (it ships vllm.vllm_flash_attn)")
+FA_SIGNATURE = ("flash_attn_varlen_func lacks non-paged kwargs",
+                "use a vllm whose flash_attn_varlen_func takes cu_seqlens_k")
+FA3_UNSUPPORTED = ("FA3 unsupported here", "FA3 needs compute capability 9.x and vllm's FA3 build")
+FA2_UNSUPPORTED = ("FA2 unsupported here", "FA2 needs compute capability >= 8.0 and vllm's FA2 build")
+FA_PROBE = ("FlashAttention failed its probe call", "report this with the logged detail")
+NO_COMPILE = ("torch.compile unavailable", "use torch >= 2.5 on a Python version Dynamo supports")
+NO_TRITON = ("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
+NO_CXX = ("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
+COMPILE_FAILED = ("torch.compile of the fast block failed",
+                  "report the logged error; the exact step runs for this shape")
+STRUCTURE = ("transformer block differs from diffusers 0.41-0.42's QwenImage21TransformerBlock",
+             "use the exact mode for this model")
+
+SETTINGS = ("auto", "3", "2", "sdpa")
+MAX_HEAD_DIM = 256
+VARLEN_KWARGS = ("max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "softmax_scale",
+                 "causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Unavailable:
+    """Why something faster does not run: ``reason`` is a (stable key, hint) pair, ``detail`` what
+    was seen. ``key`` and ``hint`` read them."""
+
+    reason: tuple[str, str]
+    detail: str = ""
+
+    key = property(lambda self: self.reason[0])
+    hint = property(lambda self: self.reason[1])
+
+    def __str__(self) -> str:
+        return f"{self.key} ({self.detail})" if self.detail else self.key
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not compile (or recompile) a fast-block region, or cannot run here.
+    ``unavailable`` carries the reason; the caller runs the exact step and counts it."""
+
+    def __init__(self, unavailable: Unavailable):
+        super().__init__(str(unavailable))
+        self.unavailable = unavailable
+
+
+def mask_all_target(mask: Tensor) -> bool:
+    """Whether a cached step's modulation mask (bool, ``(T,)``) selects the real-timestep row for
+    every row, as the fast body assumes. Syncs the host: call it at bind."""
+    return mask.dtype == torch.bool and bool(mask.all())
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+class SdpaAttention:
+    """``torch.nn.functional.scaled_dot_product_attention`` as diffusers' native backend calls it;
+    the last resort, and the reference on CPU. Same call as ``FlashAttention``."""
+
+    name = "SDPA (torch.nn.functional.scaled_dot_product_attention)"
+    fa_version = None
+
+    def __init__(self, skipped: tuple[Unavailable, ...] = ()):
+        self.skipped = skipped  # why each faster kernel was passed over, for the log
+
+    def prepare(self, batch: int, q_len: int, k_len: int, device) -> None:
+        """Nothing to build for SDPA."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=0.0, is_causal=False, scale=softmax_scale)
+        return out.transpose(1, 2)
+
+
+class FlashAttention:
+    """vllm's ``flash_attn_varlen_func`` without paging, called as::
+
+        out = attention(q, k, v, softmax_scale=None)
+
+    q:    (B, Tq, H, D), fp16/bf16, contiguous (else copied).
+    k, v: (B, Tk, H, D), q's dtype, contiguous (``KVBuffers``' per-layer buffers are).
+    softmax_scale: float, default ``D ** -0.5``.
+    returns (B, Tq, H, D), q's dtype. No mask, not causal.
+
+    ``cu_seqlens`` per (B, Tq, Tk) are built by ``prepare`` (call it at bind, outside any capture)
+    and reused, so a step allocates nothing that depends on data; an unprepared shape is built on
+    first use, except while a graph is being captured (RuntimeError).
+    """
+
+    def __init__(self, fn: Callable, fa_version: int, pass_version: bool,
+                 skipped: tuple[Unavailable, ...] = ()):
+        self.name = f"FA{fa_version} varlen (vllm.vllm_flash_attn)"
+        self.fa_version = fa_version
+        self.skipped = skipped
+        self._fn = fn
+        self._extra = {"fa_version": fa_version} if pass_version else {}
+        self._cu: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def prepare(self, batch: int, q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
+        key = (batch, q_len, k_len, str(torch.device(device)))
+        if key not in self._cu:
+            with torch.inference_mode(False):
+                self._cu[key] = tuple(torch.arange(0, (batch + 1) * n, n, dtype=torch.int32,
+                                                   device=device) for n in (q_len, k_len))
+        return self._cu[key]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
+        b, tq, h, d = q.shape
+        tk = k.shape[1]
+        cu = self._cu.get((b, tq, tk, str(q.device)))
+        if cu is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.name}: prepare({b}, {tq}, {tk}) was not called before "
+                                   f"capture (cu_seqlens would live in the graph's pool)")
+            cu = self.prepare(b, tq, tk, q.device)
+        # max_seqlen_* are host ints a captured graph keeps: shapes are fixed per entry.
+        out = self._fn(q.reshape(b * tq, h, d), k.reshape(b * tk, h, d), v.reshape(b * tk, h, d),
+                       max_seqlen_q=tq, cu_seqlens_q=cu[0], max_seqlen_k=tk, cu_seqlens_k=cu[1],
+                       softmax_scale=softmax_scale, causal=False, **self._extra)
+        return out.view(b, tq, h, d)
+
+
+def _flash():
+    """vllm's ``flash_attn_varlen_func`` and its (is_supported, reason) pair, None on old wheels."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import (
+            fa_version_unsupported_reason,
+            is_fa_version_supported,
+        )
+    except ImportError:
+        return flash_attn_varlen_func, None
+    return flash_attn_varlen_func, (is_fa_version_supported, fa_version_unsupported_reason)
+
+
+def _probe(kernel: FlashAttention, device, head_dim: int, dtype) -> str | None:
+    """One small batched call against fp32 SDPA: catches a library that loads but fails to run."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(2, n, 2, head_dim, generator=gen).to(device, dtype) for n in (8, 40, 40))
+        got = kernel(q, k, v)
+        want = SdpaAttention()(q.float(), k.float(), v.float())
+        worst = float((got.float() - want).abs().max())
+    except Exception as exc:
+        return repr(exc)[:300]
+    return None if worst <= 1e-2 else f"max abs diff {worst:.3g} vs fp32 SDPA"
+
+
+def select_dense_attention(device, head_dim: int, dtype: torch.dtype, setting: str = "auto",
+                           probe: bool = True) -> FlashAttention | SdpaAttention | Unavailable:
+    """The attention the fast step uses on ``device``, or why the requested one cannot run.
+
+    ``setting``: "auto" (FA3 on compute capability 9.x, else FA2, else SDPA; never Unavailable:
+    the SDPA kernel's ``skipped`` says why each faster one was passed over), "3" or "2" (that
+    FlashAttention or Unavailable), "sdpa". Nothing is read from version strings: the function's
+    signature is probed, vllm says which builds load, and ``probe`` runs one small call.
+    """
+    if setting not in SETTINGS:
+        raise ValueError(f"attention setting {setting!r}: expected one of {', '.join(SETTINGS)}")
+    if setting == "sdpa":
+        return SdpaAttention()
+    device = torch.device(device)
+
+    def none(reason, detail):
+        found = Unavailable(reason, detail)
+        return SdpaAttention((found,)) if setting == "auto" else found
+
+    if device.type != "cuda":
+        return none(NOT_CUDA, f"device is {device}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        return none(NOT_HALF, str(dtype))
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return none(BAD_HEAD_DIM, f"head_dim={head_dim}")
+    try:
+        fn, support = _flash()
+        params = inspect.signature(fn).parameters
+    except Exception as exc:  # an ImportError, a library that fails to load, no signature
+        return none(FA_IMPORT, f"vllm.vllm_flash_attn: {exc!r}"[:300])
+    missing = [p for p in VARLEN_KWARGS if p not in params]
+    if missing:
+        return none(FA_SIGNATURE, f"flash_attn_varlen_func lacks {', '.join(missing)}")
+    pass_version = "fa_version" in params
+
+    def why_not(version: int) -> str | None:
+        if not pass_version:  # such a function runs FA2 only (its historical default)
+            return None if version == 2 else "flash_attn_varlen_func has no fa_version argument"
+        if support is None or support[0](version):
+            return None
+        return str(support[1](version) or "vllm says unsupported")
+
+    if setting in ("2", "3"):
+        versions = (int(setting),)
+    else:
+        versions = (3, 2) if torch.cuda.get_device_capability(device)[0] == 9 else (2,)
+    skipped: list[Unavailable] = []
+    for version in versions:
+        why = why_not(version)
+        if why is not None:
+            skipped.append(Unavailable(FA3_UNSUPPORTED if version == 3 else FA2_UNSUPPORTED, why))
+            continue
+        kernel = FlashAttention(fn, version, pass_version, tuple(skipped))
+        bad = _probe(kernel, device, head_dim, dtype) if probe else None
+        if bad is None:
+            return kernel
+        skipped.append(Unavailable(FA_PROBE, f"FA{version}: {bad}"))
+    return SdpaAttention(tuple(skipped)) if setting == "auto" else skipped[-1]
+
+
+# -- K/V buffers --------------------------------------------------------------------------------
+
+class KVBuffers:
+    """Per layer one K and one V buffer, ``(batch, prefix_len + target_len, heads, head_dim)``,
+    allocated once: ``[:, :prefix_len]`` holds the prefix (``write_prefix``, once per request),
+    ``[:, prefix_len:]`` the target's K/V of the current step (written in place by the fast body).
+
+    ``prefix_views()`` are views of the prefix part, made once (the same objects every call): store
+    them into the request's ``QwenImage21KVLayerCache`` so an eager step of the same request reads
+    this prefix. They are contiguous at batch 1 only; ``torch.cat`` does not mind.
+    """
+
+    def __init__(self, layers: int, batch: int, prefix_len: int, target_len: int, heads: int,
+                 head_dim: int, *, dtype: torch.dtype, device):
+        self.prefix_len, self.target_len = prefix_len, target_len
+        shape = (batch, prefix_len + target_len, heads, head_dim)
+        # Not inference tensors, whatever mode the caller is in: a later request under plain
+        # no_grad must still write them.
+        with torch.inference_mode(False):
+            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+            self._prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in zip(self.k, self.v)]
+            self.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in zip(self.k, self.v)]
+
+    @classmethod
+    def from_prefix(cls, prefix: list[tuple[Tensor, Tensor]], target_len: int) -> KVBuffers:
+        """Buffers shaped for ``prefix`` (per layer (k, v), ``(B, P, H, D)``) with it written."""
+        k0 = prefix[0][0]
+        b, p, h, d = k0.shape
+        bufs = cls(len(prefix), b, p, target_len, h, d, dtype=k0.dtype, device=k0.device)
+        for i, (k, v) in enumerate(prefix):
+            bufs.write_prefix(i, k, v)
+        return bufs
+
+    def write_prefix(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Copy one layer's prefix K/V ``(B, prefix_len, H, D)`` in (on the caller's stream)."""
+        pk, pv = self._prefix[layer]
+        pk.copy_(k)
+        pv.copy_(v)
+
+    def prefix_views(self) -> list[tuple[Tensor, Tensor]]:
+        return list(self._prefix)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+# -- the block body -----------------------------------------------------------------------------
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """diffusers' ``RMSNorm.forward`` with a weight and no bias, op for op."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(weight.dtype)
+    return x * weight
+
+
+def _rope(x: Tensor, rotary: Tensor, real: bool) -> Tensor:
+    """``apply_rotary_emb_qwen(x, freqs, use_real=False)``; ``rotary`` is ``view_as_real(freqs)``,
+    ``(T, D // 2, 2)`` fp32. ``real``: the same product in real arithmetic (Inductor fuses it)."""
+    if not real:
+        x_c = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(x_c * torch.view_as_complex(rotary).unsqueeze(1)).flatten(3).type_as(x)
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    c, s = rotary[:, None, :, 0], rotary[:, None, :, 1]
+    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(3).type_as(x)
+
+
+def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_eps: float,
+                   k_eps: float, head_dim: int, real_rope: bool):
+    """norm1 + modulate, q/k/v, q/k RMSNorm, rotary. x ``(B, T, dim)``; modulation ``(B + 1,
+    4 * dim)``: [scale1, gate1, scale2, gate2], row -1 is the t=0 row the target never reads;
+    qkv ``(w_q, w_k, w_v)`` or ``(w_qkv,)``. Returns q, k, v ``(B, T, H, D)`` in x's dtype."""
+    dim = x.shape[-1]
+    h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, :dim])
+    q, k, v = F.linear(h, qkv[0]).chunk(3, dim=-1) if len(qkv) == 1 else (F.linear(h, w) for w in qkv)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    q = _rms_norm(q, norm_q, q_eps).to(v.dtype)
+    k = _rms_norm(k, norm_k, k_eps).to(v.dtype)
+    return _rope(q, rotary, real_rope), _rope(k, rotary, real_rope), v
+
+
+def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: float):
+    """to_out, gated residual, norm2 + modulate, SwiGLU, gated residual. attn ``(B, T, H, D)``."""
+    dim = x.shape[-1]
+    x = x + modulation[:-1, None, dim:2 * dim].tanh() * F.linear(attn.flatten(2, 3), w_out)
+    h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, 2 * dim:3 * dim])
+    x = x + modulation[:-1, None, 3 * dim:].tanh() * F.linear(
+        F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    if x.dtype == torch.float16:
+        x = x.clip(-65504, 65504)
+    return x
+
+
+def _dense_strides(t: Tensor) -> Tensor:
+    """``t`` with a fresh tensor's strides, without a copy when its memory is contiguous. Dynamo
+    guards on strides, size-1 dims included, and a batch-1 slice of ``img_in``'s output has a
+    batch stride set by the reference images' token count: a prefix length in disguise."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride())
+
+
+class _Inductor:
+    """Inductor as a torch.compile backend, counting the graphs it compiles. One per option set,
+    process-wide: Dynamo guards on the backend object, so sharing it shares the compiled code."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        with config.patch(self.options):
+            return compile_fx(gm, example_inputs)
+
+
+_COMPILED: dict[bool, tuple[_Inductor, Callable, Callable]] = {}
+
+
+def _compiled(emulate_casts: bool):
+    """(backend, compiled pre, compiled post) for this option, made once per process."""
+    if emulate_casts not in _COMPILED:
+        backend = _Inductor({"emulate_precision_casts": emulate_casts})
+        _COMPILED[emulate_casts] = (backend, *(
+            torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+            for fn in (_pre_attention, _post_attention)))
+    return _COMPILED[emulate_casts]
+
+
+def compiled_graphs() -> int:
+    """Graphs Inductor compiled for fast blocks in this process (first compiles and recompiles)."""
+    return sum(backend.graphs for backend, _, _ in _COMPILED.values())
+
+
+def compile_supported(device) -> Unavailable | None:
+    """Why torch.compile cannot build the fast block for ``device``; None when it can."""
+    device = torch.device(device)
+    try:
+        import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+
+        if not dynamo.is_dynamo_supported():
+            return Unavailable(NO_COMPILE, f"Dynamo does not support Python {sys.version.split()[0]}")
+    except Exception as exc:
+        return Unavailable(NO_COMPILE, repr(exc)[:300])
+    if not hasattr(inductor_config, "emulate_precision_casts"):
+        return Unavailable(NO_COMPILE, f"torch {torch.__version__} lacks emulate_precision_casts")
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else Unavailable(NO_TRITON, f"torch {torch.__version__}")
+    if device.type == "cpu":
+        found = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++", "clang++"))
+        return None if found else Unavailable(NO_CXX, "no g++, c++, clang++ or $CXX on PATH")
+    return Unavailable(NO_COMPILE, f"device type {device.type}")
+
+
+_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer",
+            "img_mlp.proj", "img_mlp.out")
+
+
+def structure_problem(transformer) -> Unavailable | None:
+    """Why the fast body would not compute what these blocks compute; None when it would."""
+    for i, block in enumerate(transformer.transformer_blocks):
+        try:
+            m = dict(block.named_modules())
+            attn = block.attn
+            bad = [n for n in _LINEARS if type(m[n]) is not torch.nn.Linear or m[n].bias is not None]
+            bad += [n for n in ("img_norm1", "img_norm2") if type(m[n]) is not torch.nn.LayerNorm
+                    or m[n].weight is not None or m[n].bias is not None]
+            bad += [n for n in ("attn.norm_q", "attn.norm_k") if type(m[n]).__name__ != "RMSNorm"
+                    or m[n].weight is None or m[n].bias is not None]
+            if type(block.img_mlp.activation_fn) is not torch.nn.SiLU:
+                bad.append("img_mlp.activation_fn")
+            if type(attn.processor).__name__ not in ("QwenImage21AttnProcessor",
+                                                     "QwenImage21FlexAttnProcessor"):
+                bad.append(f"attn.processor ({type(attn.processor).__name__})")
+            if attn.to_q.out_features != attn.inner_dim or attn.inner_dim % attn.heads:
+                bad.append("attn heads (sharded or uneven)")
+        except (AttributeError, KeyError, TypeError) as exc:
+            return Unavailable(STRUCTURE, f"block {i}: {exc!r}")
+        if bad:
+            return Unavailable(STRUCTURE, f"block {i}: {', '.join(bad)}")
+    return None
+
+
+class FastBlocks:
+    """All transformer blocks of a Qwen-Image-2.1 cached step, fast mode (module docstring).
+
+    ``attention``: from ``select_dense_attention``. ``compile``: Inductor regions (raises
+    ``CompileFailed`` here when ``compile_supported`` says no, and from a call whose compile
+    fails). ``fuse_qkv``: one GEMM for q/k/v over a concatenated copy of the weights. Raises
+    ValueError when ``structure_problem`` finds one. Workflow::
+
+        blocks = FastBlocks(transformer, attention, compile=True)   # once per model
+        buffers = KVBuffers.from_prefix(prefix, target_len)        # at bind
+        blocks.prepare(buffers)                                    # at bind, outside capture
+        hidden = blocks(hidden, modulation, rotary, buffers)       # each step, capturable
+    """
+
+    def __init__(self, transformer, attention, *, compile: bool = False, fuse_qkv: bool = False,
+                 emulate_casts: bool = True):
+        problem = structure_problem(transformer)
+        if problem is not None:
+            raise ValueError(str(problem))
+        self.attention = attention
+        self.compile = compile
+        blocks = transformer.transformer_blocks
+        self.head_dim = blocks[0].attn.inner_dim // blocks[0].attn.heads
+        # Per block: the pre region's arguments after (x, modulation, rotary), the post region's
+        # after (x, attn, modulation). Weights by reference, except a fused QKV copy.
+        self._pre_args, self._post_args = [], []
+        for b in blocks:
+            a, mlp = b.attn, b.img_mlp
+            qkv = (a.to_q.weight, a.to_k.weight, a.to_v.weight)
+            if fuse_qkv:
+                with torch.no_grad(), torch.inference_mode(False):
+                    qkv = (torch.cat(qkv, dim=0),)
+            self._pre_args.append((qkv, a.norm_q.weight, a.norm_k.weight, b.img_norm1.eps,
+                                   a.norm_q.eps, a.norm_k.eps, self.head_dim, compile))
+            self._post_args.append((a.to_out[0].weight, mlp.gate_layer.weight, mlp.proj.weight,
+                                    mlp.out.weight, b.img_norm2.eps))
+        if compile:
+            device = blocks[0].attn.to_q.weight.device
+            found = compile_supported(device)
+            if found is not None:
+                raise CompileFailed(found)
+            _, self._pre, self._post = _compiled(emulate_casts)
+            import torch._dynamo.exc as dynamo_exc
+
+            # FailOnRecompileLimitHit (torch >= 2.6) is not a TorchDynamoException.
+            self._errors = tuple(filter(None, (dynamo_exc.TorchDynamoException,
+                                               getattr(dynamo_exc, "FailOnRecompileLimitHit", None))))
+        else:
+            self._pre, self._post = _pre_attention, _post_attention
+
+    def prepare(self, buffers: KVBuffers) -> None:
+        """Build what the attention needs for these buffers' shapes (call at bind)."""
+        k = buffers.k[0]
+        self.attention.prepare(k.shape[0], buffers.target_len, k.shape[1], k.device)
+
+    def __call__(self, hidden: Tensor, modulation: Tensor, rotary: Tensor, buffers: KVBuffers) -> Tensor:
+        """All blocks. hidden ``(B, T, dim)``: the target rows after ``img_in``; modulation
+        ``(B + 1, 4 * dim)``: ``transformer.modulation(temb)``; rotary ``(T, D // 2)`` complex64:
+        the target rows' rotary (or its ``view_as_real``); buffers: prefix written. Returns
+        ``(B, T, dim)``. No host sync, no data-dependent allocation or branch: capturable."""
+        if hidden.shape[0] + 1 != modulation.shape[0] or hidden.shape[1] != buffers.target_len:
+            raise ValueError(f"hidden {tuple(hidden.shape)}, modulation {tuple(modulation.shape)}, "
+                             f"buffers for {buffers.target_len} target tokens")
+        for i in range(len(self._pre_args)):
+            hidden = self.block(i, hidden, modulation, rotary, buffers)
+        return hidden
+
+    def block(self, i: int, hidden: Tensor, modulation: Tensor, rotary: Tensor,
+              buffers: KVBuffers) -> Tensor:
+        """Block ``i`` alone; arguments as for the call. Writes layer ``i``'s target K/V."""
+        rotary = torch.view_as_real(rotary) if rotary.is_complex() else rotary
+        hidden = _dense_strides(hidden)
+        q, k, v = self._run(self._pre, hidden, modulation, rotary, *self._pre_args[i])
+        k_tail, v_tail = buffers.tails[i]
+        k_tail.copy_(k)
+        v_tail.copy_(v)
+        out = self.attention(q, buffers.k[i], buffers.v[i])
+        return self._run(self._post, hidden, out, modulation, *self._post_args[i])
+
+    def _run(self, fn, *args):
+        if not self.compile:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except self._errors as exc:
+            raise CompileFailed(Unavailable(COMPILE_FAILED, repr(exc)[:500])) from exc

@@ -1,0 +1,243 @@
+"""The fused one-token step for vllm-omni 0.24-0.28's SenseNova-U1 code (the "backport" layout).
+
+Delete this file (and the layout row in ``layouts.py``) when vllm-omni < 0.30 is no longer
+supported.
+
+Why: at batch 1 a SenseNova-U1 decoder layer's four GEMVs read ~380 MB (~90 us at the H200's
+bandwidth); around them the 0.24-0.28 model code launches ~50 small kernels (three rope-table
+computations of ~10 kernels each, two RMSNorms of 8, SiLU-and-multiply, residual adds), 2-3 us
+each even inside a CUDA graph: about half of a graphed step. Measured on the H200 (README,
+Performance): 9.9 -> 6.6 ms/token at context 2048, ~2,500 -> 676 kernels a token.
+
+What it does: the rope tables are computed once per step for all 42 layers (bit-identical: every
+layer's tables are the same function of the same index, checked at construction) and fed to
+vllm-omni's own qk-norm + rope kernel; each decoder layer's norms and SiLU run through vllm's fused
+kernels (``layer_ops.LayerOps``; same rounding points, fp32 sum order differs). Everything else
+(the projections, LoRA wrappers included, attention) is the model's own modules. Each part has its
+own availability check; ``Fusion.reasons`` says why a part is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from ... import layer_ops
+from ...patching import HookRefused
+from ...reasons import Reason
+from . import layouts
+from .step import PAGED_KWARG
+
+UNFUSED = Reason("decode step unfused",
+                 "a CUDA build of vllm and vllm-omni's Triton qk-norm + rope kernel (see the detail)")
+NOT_FUSABLE = Reason("decode step cannot be fused",
+                     "nothing to change: the model's own step runs (see the detail)")
+
+
+class Fusion:
+    """What the decode step fuses for this model on this device, and why not where it does not.
+
+    ``rope_kernel``: vllm-omni's own qk-norm + rope kernel, fed tables computed once per step, or
+    None (each layer computes its own, as the model does). ``layer_ops``: ``layer_ops.LayerOps``
+    or None (the model's own norms and activation). ``reasons``: why a part is off.
+    """
+
+    def __init__(self, rope_kernel=None, layer_ops_=None, reasons=()):
+        self.rope_kernel = rope_kernel
+        self.layer_ops = layer_ops_
+        self.reasons = list(reasons)
+
+    @property
+    def active(self) -> bool:
+        return self.rope_kernel is not None or self.layer_ops is not None
+
+    @classmethod
+    def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16):
+        """The production parts this device and layout support."""
+        if not layout.fused_step:
+            return cls(reasons=[f"{layout.name} layout runs the model's own step"])
+        if torch.device(device).type != "cuda":
+            return cls(reasons=[f"not CUDA ({device})"])
+        fusion = cls()
+        rope = _rope_once_kernel(language_model)
+        if isinstance(rope, str):
+            fusion.reasons.append(f"rope per layer: {rope}")
+        else:
+            fusion.rope_kernel = rope
+        why = _layers_not_fusable(language_model)
+        ops = layer_ops.select_layer_ops(device, dtype) if why is None else None
+        if why is not None:
+            fusion.reasons.append(f"model's own norms: {why}")
+        elif isinstance(ops, Reason):
+            fusion.reasons.append(f"model's own norms: {ops.describe()}")
+        else:
+            fusion.layer_ops = ops
+        return fusion
+
+    @classmethod
+    def reference(cls, language_model) -> "Fusion":
+        """The fused step's structure with plain-torch kernels, on any device (tests, CPU)."""
+        why = _rope_once_kernel(language_model, kernel=reference_qk_norm_rope)
+        if isinstance(why, str):
+            raise HookRefused(NOT_FUSABLE.because(f"rope once per step: {why}"))
+        why = _layers_not_fusable(language_model)
+        if why is not None:
+            raise HookRefused(NOT_FUSABLE.because(f"fused norms: {why}"))
+        return cls(reference_qk_norm_rope, layer_ops.REFERENCE_LAYER_OPS)
+
+    def describe(self) -> list[str]:
+        parts = []
+        if self.rope_kernel is not None:
+            parts.append("rope once per step")
+        if self.layer_ops is not None:
+            parts.append("fused norms + SiLU")
+        return parts
+
+    def patch_layers(self, language_model) -> None:
+        """Give every decoder layer its fused one-token variant (idempotent; inert without
+        ``PAGED_KWARG`` or when the step's fusion has no layer ops)."""
+        for layer in language_model.model.layers:
+            current = layer._forward_und
+            if not getattr(current, "__graphdecode__", False):
+                layer._forward_und = _fused_layer_forward_und(layer, current)
+
+    def project_and_rope(self, attn, hidden_states, indexes, step):
+        """The backport layout's ``_project_and_rope`` on its fused-kernel path, with the tables
+        the first layer of this step computed for all."""
+        if step.rope is None:
+            step.rope = _rope_tables(attn, hidden_states, indexes)
+        return _project_and_rope_once(attn, hidden_states, step.rope, self.rope_kernel)
+
+
+_ROPE_ATTRS = ("q_size", "kv_size", "num_heads", "num_kv_heads", "head_dim", "config",
+               "rotary_emb", "rotary_emb_hw")
+
+
+def _rope_once_kernel(language_model, kernel=None):
+    """vllm-omni's fused qk-norm + rope function (or ``kernel``), when one set of rope tables
+    serves every layer; else why not (a string)."""
+    attns = layouts.attention_modules(language_model)
+    first = attns[0]
+    missing = [a for a in _ROPE_ATTRS if not hasattr(first, a)]
+    if missing:
+        return f"attention lacks {', '.join(missing)}"
+    if not hasattr(first.config, "rms_norm_eps"):
+        return "config lacks rms_norm_eps"
+    for name in ("rotary_emb", "rotary_emb_hw"):
+        ref = getattr(first, name)
+        if not torch.is_tensor(getattr(ref, "inv_freq", None)):
+            return f"{name} has no inv_freq"
+        for attn in attns[1:]:
+            mod = getattr(attn, name, None)
+            if (type(mod) is not type(ref) or "forward" in vars(mod)
+                    or getattr(mod, "attention_scaling", None)
+                    != getattr(ref, "attention_scaling", None)
+                    or not torch.equal(mod.inv_freq, ref.inv_freq)):
+                return f"layer {attn.layer_idx}'s {name} differs from layer 0's"
+    if kernel is not None:
+        return kernel
+    package = type(first).__module__.rpartition(".")[0]
+    try:
+        return importlib.import_module(f"{package}.fused_rmsnorm_rope").triton_qk_norm_rope
+    except (ImportError, AttributeError) as exc:
+        return f"vllm-omni's fused qk-norm + rope kernel not importable ({exc!r})"
+
+
+def _rope_tables(attn, hidden_states, indexes):
+    """(cos, sin) for the t, h and w rope of this token: what ``_project_and_rope`` computes in
+    every layer, computed the same way once."""
+    return (attn.rotary_emb(hidden_states, indexes[0].unsqueeze(0)),
+            attn.rotary_emb_hw(hidden_states, indexes[1].unsqueeze(0)),
+            attn.rotary_emb_hw(hidden_states, indexes[2].unsqueeze(0)))
+
+
+def _project_and_rope_once(attn, hidden_states, rope, rope_kernel):
+    """The backport layout's ``_project_and_rope`` on its fused-kernel path, with given tables."""
+    shape = hidden_states.shape[:-1]
+    qkv, _ = attn.qkv_proj(hidden_states)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(*shape, attn.num_heads, attn.head_dim)
+    k = k.view(*shape, attn.num_kv_heads, attn.head_dim)
+    v = v.view(*shape, attn.num_kv_heads, attn.head_dim)
+    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = rope
+    query, key = rope_kernel(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm_hw.weight,
+                             attn.k_norm_hw.weight, cos_t, sin_t, cos_h, sin_h, cos_w, sin_w,
+                             attn.config.rms_norm_eps)
+    return query, key, v.transpose(1, 2)
+
+
+def _layers_not_fusable(language_model) -> str | None:
+    for i, layer in enumerate(language_model.model.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            norm = getattr(layer, name, None)
+            if not (torch.is_tensor(getattr(norm, "weight", None))
+                    and isinstance(getattr(norm, "variance_epsilon", None), float)):
+                return f"layer {i}'s {name} is not an RMSNorm with weight and variance_epsilon"
+            if norm._forward_hooks or norm._forward_pre_hooks:
+                return f"layer {i}'s {name} has forward hooks"
+        mlp = getattr(layer, "mlp", None)
+        if not all(hasattr(mlp, a) for a in ("gate_up_proj", "down_proj", "act_fn")):
+            return f"layer {i}'s mlp lacks gate_up_proj, down_proj or act_fn"
+        if not _is_silu(mlp.act_fn):
+            return f"layer {i}'s activation is {type(mlp.act_fn).__name__}, not SiLU"
+        if "forward" in vars(mlp) or mlp._forward_hooks or mlp._forward_pre_hooks:
+            return f"layer {i}'s mlp forward is replaced or hooked"
+    return None
+
+
+def _is_silu(act) -> bool:
+    """torch's SiLU, or transformers' ``SiLUActivation`` (what ``ACT2FN["silu"]`` gives), with
+    its forward not replaced."""
+    return ((isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation")
+            and "forward" not in vars(act))
+
+
+def _fused_layer_forward_und(layer, original):
+    @functools.wraps(original)
+    def _forward_und(hidden_states, indexes, attention_mask, past_key_values, **kwargs):
+        step = kwargs.get(PAGED_KWARG)
+        ops = step.fusion.layer_ops if step is not None and step.fusion is not None else None
+        if ops is None:
+            return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
+        ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        x = ops.rms_norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        x = layer.self_attn(x, image_gen_indicators=None, exist_und=True, exist_gen=False,
+                            indexes=indexes, attention_mask=attention_mask,
+                            past_key_values=past_key_values, **kwargs)
+        # hidden_states <- hidden_states + x (the residual stream), x <- its post-attention norm.
+        # hidden_states is this step's own tensor: the embedding or the previous layer's output.
+        ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
+        gate_up, _ = mlp.gate_up_proj(x)
+        out, _ = mlp.down_proj(ops.silu_and_mul(gate_up))
+        return hidden_states + out
+
+    _forward_und.__graphdecode__ = True
+    return _forward_und
+
+
+def reference_qk_norm_rope(q, k, q_weight, k_weight, q_hw_weight, k_hw_weight,
+                           cos_t, sin_t, cos_h, sin_h, cos_w, sin_w, eps):
+    """vllm-omni's ``triton_qk_norm_rope`` contract in plain torch (tests and CPU runs).
+
+    q ``(B, S, Hq, D)``, k ``(B, S, Hk, D)``: the first half of each head is RMS-normed with
+    ``*_weight`` and rotated by the t tables; the second half is normed with ``*_hw_weight``, and
+    its two quarters are rotated by the h and w tables. Returns query, key as ``(B, H, S, D)``.
+    """
+    def rotate(x, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def one(x, w_t, w_hw):
+        x_t, x_hw = x.chunk(2, dim=-1)
+        x_t = layer_ops.reference_rms_norm(x_t, w_t, eps).transpose(1, 2)
+        x_hw = layer_ops.reference_rms_norm(x_hw, w_hw, eps).transpose(1, 2)
+        x_h, x_w = x_hw.chunk(2, dim=-1)
+        return torch.cat([rotate(x_t, cos_t, sin_t), rotate(x_h, cos_h, sin_h),
+                          rotate(x_w, cos_w, sin_w)], dim=-1)
+
+    return one(q, q_weight, q_hw_weight), one(k, k_weight, k_hw_weight)
+
+

@@ -1,0 +1,86 @@
+"""Why a SenseNova-U1 request cannot take the paged graph path: the hook's one gate.
+
+``gate(pipeline, language_model, kernel)`` returns the first reason that applies, or None. Each
+reason is a ``Reason`` with its hint; the request then runs the pipeline's own eager code and the
+reason is counted and logged once (``ar_session.ARSessions.open``). Checked at every request's
+start, so offload, hooks, LoRA or compile applied after load are seen.
+"""
+
+from __future__ import annotations
+
+from ... import eligibility
+from ...reasons import Reason
+
+TP = Reason("tensor parallel > 1",
+            "serve SenseNova-U1 with tensor parallel size 1 for graph decode (the captured step "
+            "would hold collectives)")
+OFFLOAD = Reason("CPU or layerwise offload",
+                 "disable --enable-cpu-offload / --enable-layerwise-offload (and accelerate or "
+                 "diffusers offload hooks) for graph decode: offload moves weights between steps")
+COMPILED = Reason("language model is torch.compile'd",
+                  "compile off for SenseNova-U1 (diffusion_compile_granularity=regional, or "
+                  "--enforce-eager): Dynamo would trace the decode step")
+KV_QUANT = Reason("quantized KV cache",
+                  "unset diffusion_kv_cache_dtype: the paged kernel reads the cache unquantized, so "
+                  "its output would differ")
+HOOKED = Reason("forward hooks on the language model",
+                "remove hooks from the language model (cache backends, profilers) for graph "
+                "decode: a hook runs once during capture and never at replay")
+
+_OFFLOAD_FLAGS = ("enable_cpu_offload", "enable_layerwise_offload",
+                  "enable_distributed_layerwise_offload")
+
+
+def _tensor_parallel(pipe) -> int:
+    tp = getattr(getattr(getattr(pipe, "od_config", None), "parallel_config", None),
+                 "tensor_parallel_size", 1) or 1
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        tp = max(tp, get_tensor_model_parallel_world_size())
+    except Exception:  # no process group in this process: nothing is sharded by vllm
+        pass
+    return tp
+
+
+def _kv_cache_dtype(pipe, lm):
+    dtype = getattr(getattr(pipe, "od_config", None), "diffusion_kv_cache_dtype", None)
+    if dtype in (None, "auto", "float"):
+        dtype = next((m._kv_cache_dtype for m in lm.modules()
+                      if getattr(m, "_kv_cache_dtype", None) not in (None, "auto", "float")), None)
+    return dtype
+
+
+def gate(pipe, lm, kernel) -> Reason | None:
+    """The first reason this pipeline's requests run eagerly now, or None. ``kernel`` is what
+    ``kernels.select_kernel`` found: a kernel, or its own ``Reason``."""
+    if isinstance(kernel, Reason):
+        return kernel
+    tp = _tensor_parallel(pipe)
+    if tp > 1:
+        return TP.because(f"tp={tp}")
+    od = getattr(pipe, "od_config", None)
+    flags = [f for f in _OFFLOAD_FLAGS if getattr(od, f, False)]
+    if flags:
+        return OFFLOAD.because(", ".join(flags))
+    found = eligibility.scan(lm, "language_model")
+    if found.offload:
+        return OFFLOAD.because(found.offload)
+    if found.compiled:
+        return COMPILED.because(found.compiled)
+    dtype = _kv_cache_dtype(pipe, lm)
+    if dtype is not None:
+        return KV_QUANT.because(f"kv_cache_dtype={dtype}")
+    if found.hooks:
+        return HOOKED.because(found.hooks)
+    return None
+
+
+def lora_present(lm) -> bool:
+    """True once LoRA wrappers (vLLM's, peft's) are in the language model.
+
+    The wrappers stay in the tree and switch adapters between requests by Python branches (active
+    slices) that a capture freezes, invisibly to shape, dtype and bucket. So nothing captured may
+    outlive a request then: graphs are captured per request and dropped after.
+    """
+    return eligibility.scan(lm).lora is not None

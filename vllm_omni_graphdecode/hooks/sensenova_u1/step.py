@@ -1,0 +1,148 @@
+"""SenseNova-U1's one-token decode step over paged K/V: what a CUDA graph records.
+
+Each attention layer's ``forward_und`` gets a single-token branch keyed on this plugin's own
+keyword (``PAGED_KWARG``), passed down the model's ``**kwargs`` chain (``ForCausalLM.forward`` ->
+``Model.forward`` -> ``DecoderLayer.forward`` -> ``_forward_und`` -> ``Attention.forward`` ->
+``forward_und``, unchanged in vllm-omni 0.24-0.30): it projects and ropes as the model does (or
+through the fused step's once-per-token tables, ``fused_step.py``), then attends through
+``paged_decode.PagedKVCache``. The branch is keyed on the keyword, not on ``attention_mask is
+None``: vllm-omni 0.24-0.28 pass an all-zeros mask for one query token. Without the keyword every
+patched method runs the model's own code.
+
+``Step`` is the ``ar_session.StepModel`` for this model: its static inputs (token, rope indexes)
+and the forward a graph records. ``paged_decoder(lm, ...)`` is the standalone API the benchmarks
+and tests drive::
+
+    dec = paged_decoder(lm, kernel=kernels.select_kernel("cuda", 128), buckets=(512, 1024))
+    dec.begin(past_key_values)            # prefilled DynamicCache, batch 1
+    for ...:
+        logits = dec.step(token, t_index)  # token: (1,) long tensor or int; t_index: its rope time
+                                           # index (the pipeline's t_idx + 1)
+    dec.write_back(past_key_values)       # the cache now holds prefix + decoded tokens
+    dec.release()
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ... import layer_ops
+from ...ar_session import PagedDecoder
+from ...reasons import Reason
+from . import layouts
+
+MODEL = "sensenova_u1"
+# Our own keyword down the model's **kwargs chain. Upstream 0.30 uses "paged_cache"; never collide.
+PAGED_KWARG = "graphdecode_paged_kv"
+
+
+class StepArgs:
+    """``PAGED_KWARG``'s value for one decode step: the paged cache, the fused step's parts (or
+    None), and the rope tables once the first layer has computed them."""
+
+    __slots__ = ("cache", "fusion", "rope")
+
+    def __init__(self, cache, fusion):
+        self.cache = cache
+        self.fusion = fusion
+        self.rope = None
+
+
+class Step:
+    """The ``ar_session.StepModel`` of a SenseNova-U1 language model. ``fusion``: a
+    ``fused_step.Fusion`` or None (the model's own step); ``kv_writer``: ``layer_ops.KVWriter``
+    or None (two ``index_copy_`` per layer)."""
+
+    def __init__(self, language_model, layout: layouts.Layout, *, fusion=None, kv_writer=None):
+        layouts.check_model(language_model, layout)
+        patch_attention(language_model, layout)
+        if fusion is not None:
+            fusion.patch_layers(language_model)
+        attn = layouts.attention_modules(language_model)[0]
+        self.lm = language_model
+        self.fusion = fusion
+        self.writer = kv_writer
+        self.num_layers = len(language_model.model.layers)
+        self.kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.device = next(language_model.parameters()).device
+        self.input_ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        # rows: t, h, w rope indexes; decode tokens are text, so h = w = 0 (as _ar_step builds)
+        self.indexes = torch.zeros(3, 1, dtype=torch.long, device=self.device)
+
+    def set_inputs(self, token, position: int) -> None:
+        if torch.is_tensor(token):
+            self.input_ids.copy_(token.reshape(1, 1))
+        else:
+            self.input_ids.fill_(int(token))
+        self.indexes[0].fill_(position)
+
+    def forward(self, cache) -> torch.Tensor:
+        return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
+                       use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
+
+
+NO_KV_WRITER_HERE = Reason("two-kernel K/V write", "run on a CUDA GPU with a CUDA build of vllm")
+
+
+def select_kv_writer(device, dtype) -> "layer_ops.KVWriter | Reason":
+    if torch.device(device).type != "cuda":
+        return NO_KV_WRITER_HERE.because(f"device is {device}")
+    return layer_ops.select_kv_writer(device, dtype)
+
+
+def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verify: bool = False,
+                  pool=None, layout: layouts.Layout | None = None, fusion="auto",
+                  kv_writer="auto") -> PagedDecoder:
+    """A standalone paged decoder for ``language_model`` (see the module docstring).
+
+    ``fusion`` / ``kv_writer``: "auto" selects what this device and layout support; None runs the
+    model's own step; or pass one. Patches the model's attention (idempotent, inert without
+    ``PAGED_KWARG``).
+    """
+    layout = layout or layouts.detect_layout(language_model)
+    param = next(language_model.parameters())
+    if isinstance(fusion, str):
+        from . import fused_step
+
+        fusion = fused_step.Fusion.select(language_model, layout, param.device, param.dtype)
+        fusion = fusion if fusion.active else None
+    if isinstance(kv_writer, str):
+        kv_writer = select_kv_writer(param.device, param.dtype)
+        kv_writer = None if isinstance(kv_writer, Reason) else kv_writer
+    step = Step(language_model, layout, fusion=fusion, kv_writer=kv_writer)
+    return PagedDecoder(step, name=MODEL, kernel=kernel, buckets=buckets, graphs=graphs,
+                        verify=verify, pool=pool)
+
+
+def patch_attention(language_model, layout: layouts.Layout) -> None:
+    """Give every attention layer the paged single-token branch. Idempotent; inert without
+    ``PAGED_KWARG``."""
+    for attn in layouts.attention_modules(language_model):
+        current = attn.forward_und
+        if not getattr(current, "__graphdecode__", False):
+            attn.forward_und = _paged_forward_und(attn, current, layout)
+
+
+def _paged_forward_und(attn, original, layout: layouts.Layout):
+    @functools.wraps(original)
+    def forward_und(hidden_states, indexes, attention_mask, past_key_values=None, **kwargs):
+        step = kwargs.get(PAGED_KWARG)
+        if step is None:
+            return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
+        # One query token attends to every valid cached key, so the mask (all zeros in 0.24-0.28,
+        # None in 0.30) carries nothing and is not read.
+        if step.fusion is not None and step.fusion.rope_kernel is not None:
+            query, key, value = step.fusion.project_and_rope(attn, hidden_states, indexes, step)
+        else:
+            query, key, value = attn._project_and_rope(
+                hidden_states, layout.rope_input(indexes, kwargs), attn.qkv_proj, attn.q_norm,
+                attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
+        out = step.cache.attend(attn.layer_idx, query, key, value, attn.scaling)
+        out, _ = attn.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+        return out
+
+    forward_und.__graphdecode__ = True
+    return forward_und

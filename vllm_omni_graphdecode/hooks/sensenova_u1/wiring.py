@@ -1,0 +1,229 @@
+"""Wiring SenseNova-U1's pipeline: what is patched at load, and how each request reaches the
+paged path.
+
+At load (``install``): every method patched or called is checked first (``layouts``); then
+- ``_generate_think`` / ``_generate_text`` open an ``ar_session`` session from the prefill cache
+  (or run as they are, with the reason counted), ``_ar_step`` runs through it, and
+  ``_append_text_tokens_to_cache`` (the think path's next reader of the cache) first gets the
+  decoded K/V written back;
+- vllm-omni 0.30's own ``_decode_context`` is replaced by one that returns None under
+  ``takeover`` (so the in-tree path cannot run too); under ``defer`` nothing is wired at all;
+- ``release_captured_graphs`` on the pipeline drops this plugin's graphs (and the in-tree ones),
+  reached at sleep level 2 (0.30's runner calls it; on 0.24-0.28 through the runner's
+  ``graph_runners.clear()``, the only call those workers make);
+- the pre-capture buckets are captured, so the first think request pays no capture.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ... import kernels, paged_decode, patching, stats
+from ...ar_session import ARSessions, PagedDecoder
+from ...patching import HookRefused, check_signature
+from ...reasons import Reason
+from . import layouts, rules
+from .step import MODEL, Step, patch_attention, select_kv_writer
+
+STATE_ATTR = "_graphdecode_sensenova_u1"
+
+
+class Wiring:
+    """What ``install`` attached to one pipeline (``pipeline._graphdecode_sensenova_u1``)."""
+
+    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer):
+        self.pipeline = pipeline
+        self.lm = pipeline.language_model
+        self.layout = layout
+        self.cfg = cfg
+        self.kernel = kernel
+        self.graphs = graphs
+        self.fusion = fusion
+        self.kv_writer = kv_writer
+        self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
+                                   gate=lambda: rules.gate(pipeline, self.lm, kernel),
+                                   per_request=lambda: rules.lora_present(self.lm))
+
+    def _decoder(self) -> PagedDecoder:
+        step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
+        return PagedDecoder(step, name=MODEL, kernel=self.kernel, buckets=self.cfg.buckets,
+                            graphs=self.graphs, verify=self.cfg.verify)
+
+    @property
+    def decoder(self) -> PagedDecoder | None:
+        return self.sessions.decoder
+
+    def precapture(self) -> str:
+        cfg = self.cfg
+        if not cfg.precapture:
+            return "pre-capture off"
+        if isinstance(self.kernel, Reason):
+            return f"pre-capture skipped: {self.kernel.key}"
+        if not self.graphs:
+            return "pre-capture skipped: graphs off"
+        dtype = self.lm.model.layers[0].self_attn.qkv_proj.weight.dtype
+        if self.kernel.fa_version is not None and dtype not in (torch.float16, torch.bfloat16):
+            return f"pre-capture skipped: {dtype} is not a FlashAttention dtype"
+        return self.sessions.precapture(cfg.precapture_buckets, dtype)
+
+    def release(self) -> None:
+        self.sessions.release()
+
+
+def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = None) -> str:
+    """Wire ``pipeline``; returns the one-line summary. HookRefused leaves it untouched.
+
+    ``kernel``/``graphs`` override the kernel selection and the graph switch (tests run the paged
+    path on CPU with ``kernels.REFERENCE`` and ``graphs=False``).
+    """
+    if getattr(pipeline, STATE_ATTR, None) is not None:
+        return "already wired"
+    lm = getattr(pipeline, "language_model", None)
+    if lm is None:
+        raise HookRefused(layouts.MODEL_MOVED.because(
+            f"{type(pipeline).__qualname__} has no language_model"))
+    cls = type(pipeline)
+    layout = layouts.detect_layout(lm, cls)
+    if layout.in_tree and cfg.sensenova_intree == "defer":
+        return (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
+                f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer); nothing wired")
+    originals = {name: check_signature(cls, name, params)
+                 for name, params in layouts.PIPELINE_METHODS.items()}
+    if layout.in_tree:
+        check_signature(cls, "_decode_context", ("self", "past_key_values"))
+    layouts.check_model(lm, layout)
+    unreachable = patching.can_release_on_sleep(runner)
+    if unreachable is not None:
+        raise HookRefused(unreachable)
+
+    attn = layouts.attention_modules(lm)[0]
+    device = torch.device(pipeline.device)
+    dtype = next(lm.parameters()).dtype
+    if kernel is None:
+        kernel = kernels.select_kernel(device, attn.head_dim, cfg.fa_version)
+    if graphs is None:
+        graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
+    fusion, writer, off = _step_parts(lm, layout, device, dtype)
+    if off and isinstance(kernel, kernels.Kernel):
+        from .fused_step import UNFUSED
+
+        stats.degraded(MODEL, UNFUSED.because("; ".join(off)))
+    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer)
+
+    # From here on nothing is checked any more: patch.
+    if isinstance(kernel, kernels.Kernel):
+        patch_attention(lm, layout)
+        if fusion is not None:
+            fusion.patch_layers(lm)
+    bound = {name: getattr(pipeline, name) for name in originals}
+    pipeline._generate_think = _wrap_loop(wiring, bound["_generate_think"], think=True)
+    pipeline._generate_text = _wrap_loop(wiring, bound["_generate_text"], think=False)
+    pipeline._ar_step = _wrap_ar_step(wiring, bound["_ar_step"], layouts.output_class(lm))
+    pipeline._append_text_tokens_to_cache = _wrap_append(
+        wiring, bound["_append_text_tokens_to_cache"])
+    if layout.in_tree:
+        pipeline._decode_context = _decode_context_taken_over
+    _wire_release(pipeline, wiring, runner)
+    setattr(pipeline, STATE_ATTR, wiring)
+
+    if isinstance(kernel, kernels.Kernel):
+        what = f"{kernel.name}, {'CUDA graphs' if graphs else 'no graphs'}"
+        refusal = wiring.sessions.refusal()
+        if refusal is not None:
+            what += f"; requests run eagerly now: {refusal.key}"
+    else:
+        what = f"requests run eagerly: {kernel.key}"
+    parts = (fusion.describe() if fusion is not None else []) + (
+        ["one-kernel K/V write"] if writer is not None else [])
+    step_line = " + ".join(parts) or "the model's own"
+    buckets = ",".join(map(str, cfg.buckets))
+    tail = paged_decode.tail_step(cfg.buckets)
+    taken = "; in-tree decode context taken over" if layout.in_tree else ""
+    return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode paged "
+            f"({what}; step {step_line}); buckets {buckets} (+{tail} tail){taken}; "
+            f"{wiring.precapture()}")
+
+
+def _step_parts(lm, layout, device, dtype):
+    """(fusion or None, K/V writer or None, why each missing part is off)."""
+    off: list[str] = []
+    fusion = None
+    if layout.fused_step:
+        from .fused_step import Fusion
+
+        fusion = Fusion.select(lm, layout, device, dtype)
+        off += fusion.reasons
+        fusion = fusion if fusion.active else None
+    writer = select_kv_writer(device, dtype)
+    if isinstance(writer, Reason):
+        off.append(f"two-kernel K/V write: {writer.describe()}")
+        writer = None
+    return fusion, writer, off
+
+
+def _wrap_loop(wiring: Wiring, original, think: bool):
+    @functools.wraps(original)
+    def decode_loop(*args, **kwargs):
+        cache = args[1] if len(args) > 1 else kwargs.get("past_key_values")
+        session = wiring.sessions.open(cache, finish_on_close=think)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if session is not None:
+                session.close()
+
+    decode_loop.__graphdecode__ = True
+    return decode_loop
+
+
+def _wrap_ar_step(wiring: Wiring, original, output_cls):
+    @functools.wraps(original)
+    def ar_step(next_token, t_idx, past_key_values, *args, **kwargs):
+        session = wiring.sessions.session
+        if session is not None and session.serves(past_key_values):
+            logits = session.step(next_token, t_idx + 1)
+            if logits is not None:
+                # The caller reassigns its cache handle from this field; the paged tokens reach
+                # that cache at write-back.
+                return output_cls(logits=logits, past_key_values=past_key_values)
+        stats.count(MODEL, "eager_step")
+        return original(next_token, t_idx, past_key_values, *args, **kwargs)
+
+    ar_step.__graphdecode__ = True
+    return ar_step
+
+
+def _wrap_append(wiring: Wiring, original):
+    @functools.wraps(original)
+    def append_text_tokens_to_cache(cache, t_idx, input_ids, *args, **kwargs):
+        session = wiring.sessions.session
+        if session is not None and session.serves(cache):
+            # The think loop is over and the cache is read next: it must hold the decoded tokens.
+            session.finish()
+        return original(cache, t_idx, input_ids, *args, **kwargs)
+
+    append_text_tokens_to_cache.__graphdecode__ = True
+    return append_text_tokens_to_cache
+
+
+def _decode_context_taken_over(past_key_values):
+    """vllm-omni 0.30's in-tree paged decode, disabled: this plugin's path decodes instead
+    (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover). Returning None sends the in-tree loop to
+    its plain ``_ar_step``, which this plugin routes."""
+    return None
+
+
+def _wire_release(pipeline, wiring: Wiring, runner) -> None:
+    previous = getattr(pipeline, "release_captured_graphs", None)  # 0.30's in-tree one, if any
+
+    def release_captured_graphs() -> None:
+        """Drop this plugin's decode graphs and paged K/V (and the in-tree ones, if any)."""
+        wiring.release()
+        if previous is not None:
+            previous()
+
+    pipeline.release_captured_graphs = release_captured_graphs
+    if runner is not None:
+        patching.release_on_sleep(runner, pipeline.release_captured_graphs)
