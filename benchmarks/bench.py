@@ -15,7 +15,7 @@ Cases (names as in the result rows):
       plugin (paged + graph, FA3 and FA2), or vs vllm-omni 0.30's in-tree path when that is the
       stack. Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`,
       one embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
-  qwen_image_21_step_{t2i,edit2}_{512,1024}: ms per cached denoising step of diffusers'
+  qwen_image_21_step_{t2i,edit2}_{512,1024}[_exact]: ms per cached denoising step of diffusers'
       QwenImage21Transformer2DModel, eager vs the plugin's graph. Floor: the step's FLOPs over the
       measured bf16 matmul rate.
   memory_*: device memory after each of 20 requests, capture time, first-request latency with and
@@ -34,6 +34,7 @@ memory readings stay comparable with a run of one case.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -215,18 +216,22 @@ def bench_qwen(args, rows, env):
     env["bf16_matmul_tflops"] = round(rate / 1e12, 1)
     log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
-    for name, target, refs in QWEN_CASES:
+    for (name, target, refs), mode in itertools.product(QWEN_CASES, args.qwen_modes):
         stats.reset()
-        r = qwen_step.bench_cached_step(tf, text_tokens=256, reference_shapes=refs, target_shape=target)
+        r = qwen_step.bench_cached_step(tf, text_tokens=256, reference_shapes=refs,
+                                        target_shape=target, mode=mode)
         floor = qwen_step_flops(tf, r["target_tokens"], r["prefix_len"]) / rate * 1e3
-        log(f"qwen {name}: eager {r['eager_ms']:.2f} graph {r['graph_ms']:.2f} "
-            f"static {r['static_ms']:.2f} floor {floor:.2f} ms exact={r['exact']}")
+        log(f"qwen {name} {mode}: eager {r['eager_ms']:.2f} graph {r['graph_ms']:.2f} "
+            f"static {r['static_ms']:.2f} floor {floor:.2f} ms exact={r['exact']} "
+            f"max_abs_diff={r['max_abs_diff']:.3g} first={r['first_graph_step_ms']:.0f} ms")
         rows.append(common.case(
-            f"qwen_image_21_step_{name}", r["eager_ms"], r["graph_ms"], floor,
+            f"qwen_image_21_step_{name}" + ("" if mode == "fast" else f"_{mode}"),
+            r["eager_ms"], r["graph_ms"], floor, mode=mode,
             static_ms=r["static_ms"], first_graph_step_ms=r["first_graph_step_ms"],
             prefix_len=r["prefix_len"], target_tokens=r["target_tokens"], exact=r["exact"],
-            max_abs_diff=r["max_abs_diff"], prefix_buffer_mb=r["prefix_buffer_mb"],
-            fallbacks=r["fallbacks"]))
+            max_abs_diff=r["max_abs_diff"], max_abs_ref=r["max_abs_ref"],
+            prefix_buffer_mb=r["prefix_buffer_mb"], fallbacks=r["fallbacks"],
+            degraded=r["degraded"]))
     del tf
     torch.cuda.empty_cache()
 
@@ -422,6 +427,35 @@ def _profile_row(name, prof, file, floor=None):
                        file=file)
 
 
+def bench_qwen_profile(args, rows, env):
+    """Where the time goes in one Qwen-Image-2.1 cached step at t2i 1024 (profile_step.py):
+    diffusers' eager step, the exact mode's replay ("graph") and the fast mode's
+    ("graph_fast"); writes ``profile-qwen-<tag>.json``."""
+    path = os.path.join(args.out, f"profile-qwen-{args.tag}.json")
+    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
+    try:
+        prof = profile_step.profile_qwen_step(tf, target_shape=QWEN_PROFILE_TARGET,
+                                              text_tokens=256)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        prof = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+    finally:
+        del tf
+        torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump({"environment": env, "profiles": {"qwen_image_21_t2i_1024": prof}}, f, indent=2)
+    if "error" not in prof:
+        log("profiles:\n" + profile_step.table({"qwen_image_21_t2i_1024": prof}))
+        for key in ("graph", "graph_fast"):
+            one = {"eager": prof["eager"], "graph": prof[key]}
+            rows.append(_profile_row(f"qwen_image_21_t2i_1024_{key}", one,
+                                     os.path.basename(path)))
+    else:
+        rows.append({"case": "profile_qwen_image_21_t2i_1024", "error": prof["error"]})
+
+
 def bench_attention(args, rows, env):
     import attention_kernels
 
@@ -431,7 +465,8 @@ def bench_attention(args, rows, env):
 # ------------------------------------------------------------------ output
 
 CASES = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
-         "memory": bench_memory, "profile": bench_profile, "attention": bench_attention}
+         "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,
+         "qwen_profile": bench_qwen_profile}
 
 
 def _write(args, rows, env):
@@ -445,6 +480,8 @@ def main():
     ap.add_argument("--cases", default="sensenova_decode,qwen_image_21_step,memory",
                     help="comma-separated, run in order: " + ", ".join(CASES))
     ap.add_argument("--contexts", default="512,2048,8192")
+    ap.add_argument("--qwen-modes", default="fast,exact",
+                    help="Qwen-Image-2.1 modes timed per case (rows without suffix: fast)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
     ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
@@ -459,6 +496,7 @@ def main():
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]
+    args.qwen_modes = [m for m in args.qwen_modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:

@@ -383,7 +383,8 @@ def profile_sensenova_eager(pipe, prefix_logits, make_cache, ctx: int, *, steps:
 
 # ------------------------------------------------------------------ Qwen-Image-2.1
 
-def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3) -> dict:
+def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3,
+                      modes=("exact", "fast")) -> dict:
     """One cached step at ``target_shape`` (t2i): diffusers' own forward and the plugin's graph
     replay (on CPU the plugin's static-buffer step, uncaptured)."""
     from vllm_omni_graphdecode import stats
@@ -414,21 +415,22 @@ def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3) ->
         return report(profile(step, steps, device_type=device_type), steps, wall, **extra)
 
     out["eager"] = measured()
-    wiring = q.CachedStepGraphs(tf, max_entries=2, verify=False, capture=capture)
-    try:
-        rep = measured(graphs=capture)
-        rep["graphs_captured"] = stats.get(q.MODEL, "capture")
-        rep["fallbacks"] = stats.fallbacks(q.MODEL)
-        if not capture:
-            rep["kernels_from"] = "static-buffer step without graphs (no CUDA device)"
-        elif opaque(rep, 5 * len(tf.transformer_blocks)):
-            rep["kernels_from"] = ("graph replay was opaque to the profiler; 'eager' has the "
-                                   "same step's kernels")
-        else:
-            rep["kernels_from"] = "graph replay (kernels seen inside the graph)"
-        out["graph"] = rep
-    finally:
-        wiring.disable()
+    for mode in modes:  # "graph" is the exact mode's replay; "graph_fast" the fast mode's
+        wiring = q.CachedStepGraphs(tf, max_entries=2, verify=False, capture=capture, mode=mode)
+        try:
+            rep = measured(graphs=capture)
+            rep["graphs_captured"] = stats.get(q.MODEL, "capture")
+            rep["fallbacks"] = stats.fallbacks(q.MODEL)
+            if not capture:
+                rep["kernels_from"] = "static-buffer step without graphs (no CUDA device)"
+            elif opaque(rep, 5 * len(tf.transformer_blocks)):
+                rep["kernels_from"] = ("graph replay was opaque to the profiler; 'eager' has the "
+                                       "same step's kernels")
+            else:
+                rep["kernels_from"] = "graph replay (kernels seen inside the graph)"
+            out["graph" if mode == "exact" else f"graph_{mode}"] = rep
+        finally:
+            wiring.disable()
     return out
 
 

@@ -28,7 +28,7 @@ def _timed(fn, iters: int) -> float:
 def bench_cached_step(transformer, *, batch: int = 1, text_tokens: int = 256,
                       reference_shapes: tuple[tuple[int, int], ...] = (),
                       target_shape: tuple[int, int] = (64, 64), iters: int = 20,
-                      warmup: int = 3) -> dict:
+                      warmup: int = 3, mode: str = "exact") -> dict:
     """Time one cached step of ``transformer`` (on CUDA, under no_grad) eager vs graph replay.
 
     Runs one real extract step to fill a ``QwenImage21KVCache``, then times, per call:
@@ -36,7 +36,8 @@ def bench_cached_step(transformer, *, batch: int = 1, text_tokens: int = 256,
     eagerly; ``graph_ms`` the wired forward replaying its graph (the per-step copies included).
     ``first_graph_step_ms`` is the step that binds, warms up and captures. ``exact`` says whether the
     replay equals diffusers' cached forward bit for bit, ``max_abs_diff`` by how much it does not.
-    ``prefix_buffer_mb`` is what one entry's static prefix buffers hold.
+    ``prefix_buffer_mb`` is what one entry's static prefix buffers hold. ``mode``: the plugin's
+    "exact" (diffusers' block code) or "fast" step (first step includes its compile).
     Real shape for 1024x1024 text-to-image: defaults; a two-reference edit:
     ``reference_shapes=((64, 64), (64, 64))``. The transformer must not be wired already.
     """
@@ -62,7 +63,8 @@ def bench_cached_step(transformer, *, batch: int = 1, text_tokens: int = 256,
 
         results = {}
         for capture in (False, True):
-            wiring = q.CachedStepGraphs(transformer, max_entries=2, verify=False, capture=capture)
+            wiring = q.CachedStepGraphs(transformer, max_entries=2, verify=False, capture=capture,
+                                        mode=mode)
             try:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -77,11 +79,12 @@ def bench_cached_step(transformer, *, batch: int = 1, text_tokens: int = 256,
     graph_ms, first_graph_ms, out = results[True]
     diff = (out.float() - reference.float()).abs()
     return {
-        "batch": batch, "prefix_len": prefix_len, "target_tokens": target_shape[0] * target_shape[1],
+        "mode": mode, "batch": batch, "prefix_len": prefix_len, "target_tokens": target_shape[0] * target_shape[1],
         "layers": len(transformer.transformer_blocks), "dtype": str(reference.dtype),
         "prefix_buffer_mb": prefix_bytes / 2**20,
         "eager_ms": eager_ms, "static_ms": results[False][0], "graph_ms": graph_ms,
         "first_graph_step_ms": first_graph_ms, "exact": bool(torch.equal(out, reference)),
-        "max_abs_diff": float(diff.max()), "captures": stats.get(q.MODEL, "capture"),
-        "fallbacks": stats.fallbacks(q.MODEL),
+        "max_abs_diff": float(diff.max()), "max_abs_ref": float(reference.float().abs().max()),
+        "captures": stats.get(q.MODEL, "capture"), "fallbacks": stats.fallbacks(q.MODEL),
+        "degraded": stats.degraded_paths(q.MODEL),
     }

@@ -18,7 +18,38 @@ def _cuda_reason():
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-seed", default=None,
+                     help="run the test files in a random order and each file's tests in a random "
+                          "order, from this seed (CI's second pass: a test that passes only after "
+                          "another one fails there)")
+
+
+def _shuffle(items, seed):
+    import random
+
+    rng = random.Random(seed)
+    by_file: dict = {}
+    for item in items:
+        by_file.setdefault(item.fspath, []).append(item)
+    files = list(by_file)
+    rng.shuffle(files)
+    items[:] = []
+    for f in files:
+        group = by_file[f]
+        rng.shuffle(group)
+        items.extend(group)
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle-seed")
+    return f"test order shuffled with seed {seed}" if seed is not None else None
+
+
 def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle-seed")
+    if seed is not None:
+        _shuffle(items, seed)
     reason = _cuda_reason()
     if reason is None:
         return

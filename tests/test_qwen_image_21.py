@@ -26,9 +26,17 @@ from qwen_tiny import (
 from vllm_omni_graphdecode import config, prefix_graph, stats
 from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 from vllm_omni_graphdecode.patching import HookRefused
+from vllm_omni_graphdecode.reasons import Reason
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 
 MODEL = qwen.MODEL
+
+
+@pytest.fixture(autouse=True)
+def exact_mode_unless_asked():
+    """These tests prove the exact mode (diffusers' own block code, bit for bit) and the wiring
+    around both modes; the fast mode's own tests ask for it by name."""
+    config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE_QWEN_MODE": "exact"}))
 
 
 @pytest.fixture
@@ -528,3 +536,99 @@ def test_a_rebind_never_pools_buffers_its_cache_still_reads(model):
     for kwargs, cache in ((at_step(b, 1), cache_b), (at_step(a, 3), cache_a)):
         assert torch.equal(cached_call(model, kwargs, cache), cached_reference(model, kwargs, cache))
     assert wiring.graphs.lookup(cache_b) is not wiring.graphs.lookup(cache_a)
+
+
+# -- the fast mode's wiring (its block body: test_qwen_image_21_fast_step.py) ------------------
+
+@pytest.mark.parametrize("batch,reference_shapes", [(1, ()), (2, ((4, 4), (2, 2)))])
+def test_fast_mode_uncompiled_equals_diffusers_and_writes_its_tail_in_place(model, batch,
+                                                                          reference_shapes):
+    """Fast mode on CPU with SDPA and no compile: the same math as diffusers' block, over one
+    prefix + target buffer per layer instead of a torch.cat, so equal bit for bit; the entry's
+    buffers keep their addresses across steps and the request's cache reads their prefix part."""
+    kwargs = request(model, batch=batch, text_tokens=7, reference_shapes=reference_shapes)
+    cache = extract(model, kwargs)
+    prefix_len = cache.get_layer(0).k.shape[1]
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=False)
+    ptrs = None
+    for s in (1, 2, 3):
+        step = at_step(kwargs, s)
+        expected = cached_reference(model, step, cache)  # diffusers' own, over the same prefix
+        assert torch.equal(cached_call(model, step, cache), expected), s
+        entry = wiring.graphs.lookup(cache)
+        assert entry.buffers.kv is not None and entry.key.backend.startswith("fast:SDPA")
+        k0 = entry.buffers.kv[0][0]
+        assert k0.shape[1] == prefix_len + kwargs["hidden_states"].shape[1] - \
+            sum(h * w for h, w in reference_shapes)
+        assert cache.get_layer(0).k.data_ptr() == k0.data_ptr()  # the prefix rows, re-pointed
+        now = [t.data_ptr() for pair in entry.buffers.kv for t in pair]
+        assert ptrs is None or now == ptrs
+        ptrs = now
+    assert stats.get(MODEL, "static_step") == 3 and stats.fallbacks(MODEL) == {}
+    # SDPA here, with its reason (not CUDA): counted as a degraded path, not a fallback
+    assert f"{MODEL}: {qwen.cached_step.FAST_PARTIAL.key}" in stats.degraded_paths(MODEL)
+
+
+def test_fast_mode_compiled_on_cpu_is_close_to_diffusers(model):
+    kwargs = request(model, text_tokens=7)
+    cache = extract(model, kwargs)
+    qwen.enable(model, capture=False, mode="fast", compile=True)
+    for s in (1, 2):
+        step = at_step(kwargs, s)
+        expected = cached_reference(model, step, cache)
+        got = cached_call(model, step, cache)
+        # fp32, Inductor's CPU kernels: sum order only (measured 2.5e-6 on outputs up to ~3)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert stats.get(MODEL, "static_step") == 2
+
+
+def test_fast_mode_falls_back_to_the_exact_step_when_its_block_body_does_not_apply(model):
+    model.transformer_blocks[1].img_mlp.activation_fn = torch.nn.GELU()  # not the SwiGLU it reads
+    kwargs = request(model, text_tokens=5)
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=False)
+    step = at_step(kwargs, 1)
+    assert torch.equal(cached_call(model, step, cache), cached_reference(model, step, cache))
+    entry = wiring.graphs.lookup(cache)
+    assert entry.buffers.kv is None and entry.key.backend.startswith("exact:")
+    degraded = stats.degraded_paths(MODEL)
+    assert list(degraded) == [f"{MODEL}: {qwen.cached_step.FAST_NOT_HERE.key}"]
+
+
+def test_fast_mode_compile_failure_runs_the_exact_step_with_its_reason(model, monkeypatch):
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step
+
+    def fails(*args, **kwargs):
+        raise fast_step.CompileFailed(fast_step.COMPILE_FAILED.because("injected"))
+
+    kwargs = request(model, text_tokens=5)
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=True)
+    step = at_step(kwargs, 1)
+    expected = cached_reference(model, step, cache)
+    cached_call(model, at_step(kwargs, 1), cache)  # builds the fast parts (compiled on CPU)
+    monkeypatch.setattr(wiring._fast.blocks, "block", fails)
+    for s in (2, 3):
+        step = at_step(kwargs, s)
+        assert torch.equal(cached_call(model, step, cache), cached_reference(model, step, cache))
+    assert isinstance(wiring._fast, Reason) and fast_step.COMPILE_FAILED.same(wiring._fast)
+    assert f"{MODEL}: {qwen.cached_step.FAST_NOT_HERE.key}" in stats.degraded_paths(MODEL)
+    del expected
+
+
+def test_regionally_compiled_blocks_are_no_obstacle_to_the_fast_mode(model):
+    """vLLM-Omni's runner compiles a pipeline's transformer blocks regionally unless
+    --enforce-eager (``vllm_omni.diffusion.compile.regionally_compile``). The fast body reads the
+    blocks' weights only, so it still runs; the exact mode refuses, with its reason."""
+    from vllm_omni.diffusion.compile import regionally_compile
+
+    regionally_compile(model, backend="eager")
+    kwargs = request(model, text_tokens=5)
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=False)
+    step = at_step(kwargs, 1)
+    assert torch.equal(cached_call(model, step, cache), cached_reference(model, step, cache))
+    assert stats.get(MODEL, "static_step") == 1 and stats.fallbacks(MODEL) == {}
+    wiring.disable()
+    qwen.enable(model, capture=False, mode="exact")
+    _eager_result_with_reason(model, qwen.COMPILED, kwargs, cache)

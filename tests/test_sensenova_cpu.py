@@ -298,7 +298,10 @@ class _PausingTokenizer:
         return self._inner.convert_tokens_to_ids(tokens)
 
 
-def test_second_request_during_a_decode_runs_eagerly_and_shares_no_buffers(tiny, eager_think):
+def test_a_second_request_waits_for_the_decode_in_flight_then_takes_the_paged_path(
+        tiny, eager_think):
+    """One sequence at a time: a request from another thread waits while the first decodes
+    (touching none of its buffers), then decodes on the paged path itself. Both equal eager."""
     tok = _PausingTokenizer(tiny.tok)
     pipe = st.build_pipeline(tiny.lm, tok)
     hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
@@ -306,23 +309,43 @@ def test_second_request_during_a_decode_runs_eagerly_and_shares_no_buffers(tiny,
     first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
     tok.thread = first
     first.start()
+    other = st.prompt_ids(tiny.tok, 12, seed=7)
+    second = threading.Thread(target=lambda: results.update(b=st.run_think(pipe, other, SHORT)))
     try:
         assert tok.inside.wait(120), "the first request never reached its decode loop"
         state = _state(pipe)
-        assert state.sessions.lock.locked() and state.sessions.session is not None
         before = [t.clone() for t in state.decoder.cache.k + state.decoder.cache.v]
-        other = st.prompt_ids(tiny.tok, 12, seed=7)
-        second = st.run_think(pipe, other, SHORT)  # this thread, same pipeline
+        second.start()
+        second.join(1.0)
+        assert second.is_alive(), "the second request did not wait for the first"
         after = state.decoder.cache.k + state.decoder.cache.v
         assert all(torch.equal(a, b) for a, b in zip(before, after))
     finally:
         tok.release.set()
         first.join(120)
-    _assert_same_think(second, eager_think(SHORT, other))
+        second.join(120)
     _assert_same_think(results["a"], eager_think(STEPS))
-    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.BUSY}": 1}
-    assert stats.get(MODEL, "paged_request") == 1
+    _assert_same_think(results["b"], eager_think(SHORT, other))
+    assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "paged_request") == 2
+    assert stats.get(MODEL, "decode_waits") == 1
     assert not _state(pipe).sessions.lock.locked()
+
+
+def test_a_decode_loop_nested_in_the_same_thread_runs_eagerly(tiny, eager_think):
+    pipe, _ = _paged_pipeline(tiny)
+    inner, nested = pipe._ar_step, {}
+    other = st.prompt_ids(tiny.tok, 12, seed=7)
+
+    def _ar_step(*args, **kwargs):
+        if not nested:
+            nested["running"] = True
+            nested["b"] = st.run_think(pipe, other, 10)  # inside the first request's loop
+        return inner(*args, **kwargs)
+
+    pipe._ar_step = _ar_step
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    _assert_same_think(nested["b"], eager_think(10, other))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.BUSY}": 1}
 
 
 # ------------------------------------------------------------------ LoRA wrappers

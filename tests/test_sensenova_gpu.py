@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from vllm_omni_graphdecode.testing import random_models as st
-from vllm_omni_graphdecode import config, kernels, stats
+from vllm_omni_graphdecode import config, cuda_graphs, kernels, layer_ops, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, step as step_mod
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,7 @@ def _build_lm(tok):
 def gpu():
     found = kernels.select_kernel("cuda", 128, "auto")
     if not isinstance(found, kernels.Kernel):
-        pytest.skip(f"no paged kernel on this GPU: {found} ({found.detail})")
+        pytest.skip(f"no paged kernel on this GPU: {found.describe()}")
     with st.production_rope():
         tok = st.build_tokenizer(VOCAB)
         lm = _build_lm(tok)
@@ -81,7 +82,7 @@ def _think(pipe, ids, steps):
 
 
 def _state(pipe):
-    return getattr(pipe, hook._STATE_ATTR)
+    return getattr(pipe, hook.STATE_ATTR)
 
 
 def _same_tokens_up_to_a_tie(got, want, tie, logit_tol):
@@ -128,25 +129,25 @@ def test_gpu_rope_once_is_bit_identical_to_every_layers_own_rope(gpu):
     """The fused step computes the rope tables in the first layer and hands them to every
     layer; each layer's own ``_project_and_rope`` must give exactly the same q, k, v."""
     layout = _fused_layout(gpu)
-    fusion = hook.Fusion(gpu.lm, layout, "cuda")
-    assert fusion.rope_kernel is not None, fusion.describe()
+    fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
+    assert fusion.rope_kernel is not None, fusion.reasons
     torch.manual_seed(0)
     hidden = torch.randn(1, 1, gpu.lm.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     indexes = torch.tensor([[57], [0], [0]], device="cuda")
     attns = [layer.self_attn for layer in gpu.lm.model.layers]
     with torch.inference_mode():
-        tables = hook._rope_tables(attns[0], hidden, indexes)
+        tables = fused_step._rope_tables(attns[0], hidden, indexes)
         for attn in attns:
             own = attn._project_and_rope(hidden, indexes, attn.qkv_proj, attn.q_norm, attn.k_norm,
                                          attn.q_norm_hw, attn.k_norm_hw)
-            once = hook._project_and_rope_once(attn, hidden, tables, fusion.rope_kernel)
+            once = fused_step._project_and_rope_once(attn, hidden, tables, fusion.rope_kernel)
             for a, b in zip(own, once):
                 assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_gpu_vllm_layer_ops_agree_with_the_models_rounding_at_the_real_width(gpu):
-    ops = kernels.select_layer_ops("cuda")
-    assert isinstance(ops, kernels.LayerOps), f"{ops} ({ops.detail})"
+    ops = layer_ops.select_layer_ops("cuda")
+    assert isinstance(ops, layer_ops.LayerOps), ops.describe()
     torch.manual_seed(0)
     x = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16) * 3
     r = torch.randn_like(x) * 3
@@ -158,18 +159,18 @@ def test_gpu_vllm_layer_ops_agree_with_the_models_rounding_at_the_real_width(gpu
         scale = want.float().abs().clamp_min(1e-3)
         return ((got.float() - want.float()).abs() / scale).max().item() <= ulp
 
-    assert close(ops.rms_norm(x, w, eps), kernels.reference_rms_norm(x, w, eps))
+    assert close(ops.rms_norm(x, w, eps), layer_ops.reference_rms_norm(x, w, eps))
     x2, r2 = x.clone(), r.clone()
     ops.add_rms_norm_(x2, r2, w, eps)
     assert torch.equal(r2, x + r)  # the residual add itself is one bf16 add, as in the model
-    assert close(x2, kernels.reference_rms_norm(x + r, w, eps))
+    assert close(x2, layer_ops.reference_rms_norm(x + r, w, eps))
     gate_up = torch.cat([x, r], -1)
     assert close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(x) * r)
 
 
 def test_gpu_one_kernel_kv_write_equals_index_copy():
-    writer = kernels.select_kv_writer("cuda")
-    assert isinstance(writer, kernels.KVWriter), f"{writer} ({writer.detail})"
+    writer = layer_ops.select_kv_writer("cuda")
+    assert isinstance(writer, layer_ops.KVWriter), writer.describe()
     torch.manual_seed(0)
     k_cache = torch.zeros(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
@@ -191,16 +192,16 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
     bit-identical (test above); the norms differ in the fp32 sum order only, so the logits agree
     within bf16 rounding carried through the layers: 2% of the largest logit."""
     layout = _fused_layout(gpu)
-    fusion = hook.Fusion(gpu.lm, layout, "cuda")
-    assert fusion.describe() == ("rope once per step + fused norms + SiLU + one-kernel K/V "
-                                 "write")
+    fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
+    assert fusion.describe() == ["rope once per step", "fused norms + SiLU"], fusion.reasons
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
     _, cache_plain, _ = st.prefill(pipe, gpu.ids)
-    fused = hook.PagedDecoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
-                              fusion=fusion)
-    plain = hook.PagedDecoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
-                              fusion=hook.Fusion.off())
+    fused = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
+                               fusion=fusion)  # and the one-kernel K/V write
+    assert fused.model.writer is not None
+    plain = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
+                               fusion=None, kv_writer=None)
     fused.begin(cache_fused)
     plain.begin(cache_plain)
     token = out.logits[:, -1].argmax(-1)
@@ -365,3 +366,106 @@ def test_gpu_precapture_makes_first_request_decode_within_5pct_of_steady_state(g
     first, typical = statistics.median(firsts), statistics.median(steady)
     assert first <= 1.05 * typical, (f"first request {first * 1e3:.1f} ms vs steady "
                                      f"{typical * 1e3:.1f} ms ({firsts=})")
+
+
+# ------------------------------------------------------------------ tiers, capture failure, threads
+
+def test_gpu_pre_captured_graphs_survive_a_longer_request(gpu):
+    """Pre-capture fills the pinned tier; a request past it moves to the overflow tier, and the
+    next short request replays the pinned graphs without capturing again."""
+    pipe = _pipe(gpu, cfg=_cfg("64,128,256", precapture="64,128"))
+    dec = _state(pipe).decoder
+    pinned = dec.pinned
+    assert pinned.runner.buckets_captured() == [64, 128]
+    _think(pipe, gpu.ids, 300)  # 40 + 300 tokens: past the pinned 128, into the overflow tier
+    assert dec.pinned is pinned and pinned.runner.buckets_captured() == [64, 128]
+    captures = stats.get(MODEL, "capture")
+    short = _think(pipe, gpu.ids, 60)
+    assert stats.get(MODEL, "capture") == captures, "a short request captured again"
+    assert dec.current is pinned
+    _same_tokens_up_to_a_tie(short, _think(_pipe(gpu, graphs=False), gpu.ids, 60), tie=0.02,
+                             logit_tol=2e-2)
+
+
+def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch):
+    """A host sync inside the captured step makes the capture fail. The request is handed back
+    and equals the eager pipeline; then the three things a failed capture leaves broken are
+    checked: the thread's stream is the one it was, ``torch.randn`` on the device works (the CUDA
+    generator left capture mode), and a later capture succeeds (the pool is usable)."""
+    real_forward = step_mod.Step.forward
+
+    def forward_with_a_sync(self, cache):
+        out = real_forward(self, cache)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()  # illegal while capturing
+        return out
+
+    stream = torch.cuda.current_stream()
+    pipe = _pipe(gpu, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
+    monkeypatch.setattr(step_mod.Step, "forward", forward_with_a_sync)
+    got = _think(pipe, gpu.ids, 80)
+    monkeypatch.setattr(step_mod.Step, "forward", real_forward)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.CAPTURE_FAILED}": 1}
+    _same_tokens_up_to_a_tie(got, _think(_pipe(gpu, cfg=False), gpu.ids, 80), tie=TIE,
+                             logit_tol=0.25)
+    assert torch.cuda.current_stream() == stream
+    torch.randn(16, device="cuda").sum().item()
+    x = torch.zeros(4, device="cuda")
+    captured = cuda_graphs.capture(lambda: x + 1, torch.device("cuda"))
+    x.fill_(2)
+    captured.graph.replay()
+    assert captured.output.tolist() == [3.0] * 4
+    pipe.release_captured_graphs()  # a sleep clears the sticky failure: graphs again
+    _think(pipe, gpu.ids, 80)
+    assert stats.get(MODEL, "replay") > 0
+
+
+def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, monkeypatch):
+    """Request A holds the paged path and is capturing; request B starts on the same pipeline
+    from another thread at that moment. B's prefill runs beside A's capture; B's decode loop
+    waits for A's (never decoding beside a capture: measured on the H200, an eager decode in
+    another thread during a capture failed with "operation not permitted when stream is
+    capturing" and took the capture down with it), then decodes on the graph path. Both equal
+    their runs alone, and nothing falls back."""
+    import threading
+    import time as time_mod
+
+    capturing = threading.Event()
+    real_forward = step_mod.Step.forward
+
+    def forward(self, cache):
+        out = real_forward(self, cache)
+        if torch.cuda.is_current_stream_capturing() and not capturing.is_set():
+            capturing.set()
+            time_mod.sleep(1.0)  # hold the capture open while B starts
+        return out
+
+    def think(pipe, ids, steps):  # no step recorder: two threads share this pipeline's methods
+        cache, t_idx, text = st.run_think(pipe, ids, steps)
+        torch.cuda.synchronize()
+        return t_idx, text
+
+    cfg = _cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0")
+    alone_a = think(_pipe(gpu, cfg=cfg), gpu.ids, 120)
+    other = st.prompt_ids(gpu.tok, 30, seed=11, device="cuda")
+    alone_b = think(_pipe(gpu, cfg=cfg), other, 60)
+    stats.reset()
+    pipe = _pipe(gpu, cfg=cfg)
+    monkeypatch.setattr(step_mod.Step, "forward", forward)
+    results, errors = {}, []
+
+    def run_b():
+        try:
+            assert capturing.wait(300)
+            results["b"] = think(pipe, other, 60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    b = threading.Thread(target=run_b)
+    b.start()
+    results["a"] = think(pipe, gpu.ids, 120)
+    b.join(300)
+    assert not errors, errors
+    assert stats.fallbacks(MODEL) == {}
+    assert stats.get(MODEL, "decode_waits") == 1 and stats.get(MODEL, "paged_request") == 2
+    assert results["a"] == alone_a and results["b"] == alone_b

@@ -69,6 +69,9 @@ def sensenova(ckpt):
     loader = DiffusersPipelineLoader(LoadConfig(), od_config)
     weights = loader._get_weights_iterator(pipe.weights_sources[0])
     loaded = pipe.load_weights(weights)
+    # What the loader's load_model does next: each linear layer's quant method finishes its
+    # weights (on vllm's CPU platform the unquantized method builds its ``cpu_linear`` here).
+    loader._process_weights_after_loading(pipe, torch.device("cpu"))
     return pipe.eval(), loaded
 
 

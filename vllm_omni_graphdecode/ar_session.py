@@ -10,8 +10,11 @@ of what every autoregressive model would repeat:
   and all, to the *overflow* tier, which grows in the bucket schedule and drops only its own
   graphs when it does. Under memory pressure the pinned tier gives way (one tier, as before).
 - ``ARSessions``: the per-pipeline gate and the life of each request's session:
-  ``open`` (the gate, then a non-blocking lock: one sequence decodes on the paged path at a
-  time, a concurrent one runs eagerly with a counted reason), ``Session.step``, ``finish``
+  ``open`` (the gate, then the pipeline's lock: one sequence decodes on the paged path at a
+  time; a request from another thread waits for it, then takes the path itself. Waiting, not
+  decoding eagerly beside it: a capture records this device's work, and another thread's eager
+  decode running into one made that thread fail and the capture with it on the H200),
+  ``Session.step``, ``finish``
   (decoded K/V written back before the caller reads its cache), ``close``; hand-backs on OOM or
   a failed capture (the request continues eagerly from exactly the tokens decoded so far);
   per-request graphs when dynamic LoRA wrappers are present (a capture freezes the adapter
@@ -39,8 +42,12 @@ from .reasons import Reason
 logger = stats.logger
 
 BUSY = Reason("another request is decoding on this pipeline",
-              "nothing to change: one sequence at a time decodes on the paged path; concurrent "
-              "ones run eagerly")
+              "nothing to change: one sequence at a time decodes on the paged path; a request "
+              "that finds it taken waits its turn (up to WAIT_S), and runs eagerly after that or "
+              "when its own thread already holds it")
+# How long a request waits for the one decoding before it: decode loops are bounded (a
+# 1024-token think is ~7 s on the graph path, ~60 s eagerly on vllm-omni 0.26).
+WAIT_S = 300.0
 OOM = Reason("out of memory allocating paged K/V",
              "lower VLLM_OMNI_GRAPHDECODE_BUCKETS / _PRECAPTURE_BUCKETS or free device memory")
 CAPTURE_FAILED = Reason("graph capture failed",
@@ -258,9 +265,18 @@ class ARSessions:
         if reason is not None:
             stats.fallback(self.model, reason)
             return None
-        if not self.lock.acquire(blocking=False):
-            stats.fallback(self.model, BUSY)
+        holder = self.session
+        if holder is not None and holder.thread == threading.get_ident():
+            stats.fallback(self.model, BUSY.because("a decode loop inside this thread's own"))
             return None
+        start = time.perf_counter()
+        if not self.lock.acquire(blocking=False):
+            if not self.lock.acquire(timeout=WAIT_S):
+                stats.fallback(self.model, BUSY.because(f"waited {WAIT_S:.0f} s"))
+                return None
+            stats.count(self.model, "decode_waits")
+            logger.debug("graphdecode: %s request waited %.3f s for the paged decode", self.model,
+                         time.perf_counter() - start)
         try:
             per_request = self.per_request()
             if self.decoder is None:

@@ -58,6 +58,10 @@ def doctor_report() -> dict:
     except Exception as exc:  # doctor must print what it can
         report["paged_attention_kernel"] = f"unknown: {exc!r}"
     try:
+        report["dense_attention"] = kernels.describe_dense()
+    except Exception as exc:
+        report["dense_attention"] = f"unknown: {exc!r}"
+    try:
         from . import layer_ops
 
         report["decode_step_ops"] = layer_ops.describe_step_ops()
@@ -98,6 +102,7 @@ def _print_doctor(report: dict) -> None:
     else:
         print(f"  GPU: none: {report['why']}")
     print(f"  paged-attention kernel: {report['paged_attention_kernel']}")
+    print(f"  Qwen-Image-2.1 fast step's {report['dense_attention']}")
     print(f"  {report['decode_step_ops']}")
     print(f"  vllm-omni supported: {report['vllm_omni_supported']}")
     if "config_error" in report:

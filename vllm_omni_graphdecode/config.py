@@ -131,6 +131,11 @@ SETTINGS: tuple[Setting, ...] = (
             f"Buckets captured at model load when pre-capture is on (a think request reaches "
             f"these); each must be one of {BUCKETS_VAR}. Unset: those buckets up to "
             f"{PRECAPTURE_UP_TO}."),
+    Setting("VLLM_OMNI_GRAPHDECODE_QWEN_MODE", "fast", _choice("fast", "exact"), "qwen_mode",
+            "Qwen-Image-2.1 cached steps: fast (FlashAttention over one prefix + target K/V buffer, "
+            "the block's elementwise work fused by torch.compile, captured as a graph; rounding "
+            "differs from diffusers) or exact (diffusers' own block code captured as a graph: bit "
+            "for bit diffusers' output)."),
     Setting("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "16", _positive_int, "max_entries",
             "Qwen-Image-2.1: most prefix-graph entries kept (LRU). Each live request branch "
             "(cond, uncond) holds one; 16 covers --max-num-seqs 8 with true CFG."),
@@ -152,6 +157,7 @@ class Config:
     buckets: tuple[int, ...]
     precapture_buckets: tuple[int, ...]
     max_entries: int
+    qwen_mode: str = "fast"
     stats_file: str = ""
 
     @property

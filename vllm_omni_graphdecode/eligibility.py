@@ -43,6 +43,8 @@ def replaced_forward(module) -> str | None:
     fwd = module.__dict__.get("forward")
     if fwd is None or type(fwd).__name__ == "_WrappedForward" or _own_bound_forward(module, fwd):
         return None
+    if hasattr(fwd, "_torchdynamo_orig_callable"):  # torch.compile'd (vLLM-Omni's regional
+        return None                                 # compile): reported as compiled, not a hook
     if getattr(fwd, "__graphdecode__", False):  # this plugin's own patched forward
         return None
     return type(fwd).__name__

@@ -1,4 +1,6 @@
-"""Which paged-attention kernel runs single-token decode here, and why none does when none does.
+"""Which attention kernel runs here, and why none does when none does: the paged single-token
+kernel of SenseNova-U1's decode (``select_kernel``) and the dense one of Qwen-Image-2.1's fast
+cached step (``select_dense_attention``, at the end of this file).
 
 The paged decode path (``paged_decode``) needs an attention kernel that reads K/V through a block
 table and takes the number of valid keys as a *device tensor* (``seqused_k``): that is what lets one
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .reasons import Reason
+
+Tensor = torch.Tensor
 
 # Every argument is passed by keyword, so the probe covers all of them: an older wheel may export
 # the function without the paged ones, and its version string would not say so.
@@ -92,7 +97,7 @@ def reference_paged_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen
     if max_seqlen_q != 1:
         raise ValueError("reference_paged_attention handles one query token per sequence")
     batch, q_heads, head_dim = q.shape
-    block_size, kv_heads = k.shape[1], k.shape[2]
+    kv_heads = k.shape[2]
     table = block_table.long()
     keys = k[table].reshape(batch, -1, kv_heads, head_dim)[:, :max_seqlen_k]
     values = v[table].reshape(batch, -1, kv_heads, head_dim)[:, :max_seqlen_k]
@@ -193,3 +198,189 @@ def describe(fa_version_setting: str | None = None, head_dim: int = 128) -> str:
         return (f"paged decode kernel: {found.name} on {device} (sm_{cc[0]}{cc[1]}, "
                 f"head_dim {head_dim}, VLLM_OMNI_GRAPHDECODE_FA_VERSION={fa_version_setting})")
     return f"paged decode kernel: none: {found.describe()}; {found.hint}"
+
+
+# --------------------------------------------------------------------------------------------
+# Dense (non-paged) attention: Qwen-Image-2.1's fast cached step, target queries over prefix +
+# target keys. Measured on the H200 (``benchmarks/results/``, qwen probe): one call with 4,096
+# queries, 32 heads x 128, bf16: 4,352 keys SDPA 0.85 ms vs FA3 0.46 ms; 12,544 keys 2.37 vs
+# 1.17 ms, both 3-5e-4 from fp32 attention.
+# --------------------------------------------------------------------------------------------
+
+DENSE_SETTINGS = ("auto", "3", "2", "sdpa")
+VARLEN_KWARGS = ("max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "softmax_scale",
+                 "causal")
+
+NOT_HALF = Reason("FlashAttention needs fp16/bf16", "run the transformer in bfloat16")
+FA_IMPORT = Reason("FlashAttention import failed",
+                   "use a CUDA build of vllm (it ships vllm.vllm_flash_attn)")
+FA_SIGNATURE = Reason("flash_attn_varlen_func lacks non-paged kwargs",
+                      "use a vllm whose flash_attn_varlen_func takes cu_seqlens_k")
+FA3_UNSUPPORTED = Reason("FA3 unsupported here", "FA3 needs compute capability 9.x and vllm's FA3 build")
+FA2_UNSUPPORTED = Reason("FA2 unsupported here", "FA2 needs compute capability >= 8.0 and vllm's FA2")
+FA_PROBE = Reason("FlashAttention failed its probe call", "report this with the logged detail")
+
+
+class SdpaAttention:
+    """``torch.nn.functional.scaled_dot_product_attention`` as diffusers' native backend calls it;
+    the last resort, and the reference on CPU. Same call as ``FlashAttention``."""
+
+    name = "SDPA (torch.nn.functional.scaled_dot_product_attention)"
+    fa_version = None
+
+    def __init__(self, skipped: tuple[Reason, ...] = ()):
+        self.skipped = skipped  # why each faster kernel was passed over, for the log
+
+    def prepare(self, batch: int, q_len: int, k_len: int, device) -> None:
+        """Nothing to build for SDPA."""
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             dropout_p=0.0, is_causal=False, scale=softmax_scale)
+        return out.transpose(1, 2)
+
+
+class FlashAttention:
+    """vllm's ``flash_attn_varlen_func`` without paging, called as::
+
+        out = attention(q, k, v, softmax_scale=None)
+
+    q:    (B, Tq, H, D), fp16/bf16, contiguous (else copied).
+    k, v: (B, Tk, H, D), q's dtype, contiguous (``KVBuffers``' per-layer buffers are).
+    softmax_scale: float, default ``D ** -0.5``.
+    returns (B, Tq, H, D), q's dtype. No mask, not causal.
+
+    ``cu_seqlens`` per (B, Tq, Tk) are built by ``prepare`` (call it at bind, outside any capture)
+    and reused, so a step allocates nothing that depends on data; an unprepared shape is built on
+    first use, except while a graph is being captured (RuntimeError).
+    """
+
+    def __init__(self, fn: Callable, fa_version: int, pass_version: bool,
+                 skipped: tuple[Reason, ...] = ()):
+        self.name = f"FA{fa_version} varlen (vllm.vllm_flash_attn)"
+        self.fa_version = fa_version
+        self.skipped = skipped
+        self._fn = fn
+        self._extra = {"fa_version": fa_version} if pass_version else {}
+        self._cu: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+    def prepare(self, batch: int, q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
+        key = (batch, q_len, k_len, str(torch.device(device)))
+        if key not in self._cu:
+            with torch.inference_mode(False):
+                self._cu[key] = tuple(torch.arange(0, (batch + 1) * n, n, dtype=torch.int32,
+                                                   device=device) for n in (q_len, k_len))
+        return self._cu[key]
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
+        b, tq, h, d = q.shape
+        tk = k.shape[1]
+        cu = self._cu.get((b, tq, tk, str(q.device)))
+        if cu is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{self.name}: prepare({b}, {tq}, {tk}) was not called before "
+                                   f"capture (cu_seqlens would live in the graph's pool)")
+            cu = self.prepare(b, tq, tk, q.device)
+        # max_seqlen_* are host ints a captured graph keeps: shapes are fixed per entry.
+        out = self._fn(q.reshape(b * tq, h, d), k.reshape(b * tk, h, d), v.reshape(b * tk, h, d),
+                       max_seqlen_q=tq, cu_seqlens_q=cu[0], max_seqlen_k=tk, cu_seqlens_k=cu[1],
+                       softmax_scale=softmax_scale, causal=False, **self._extra)
+        return out.view(b, tq, h, d)
+
+
+def _flash():
+    """vllm's ``flash_attn_varlen_func`` and its (is_supported, reason) pair, None on old wheels."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import (
+            fa_version_unsupported_reason,
+            is_fa_version_supported,
+        )
+    except ImportError:
+        return flash_attn_varlen_func, None
+    return flash_attn_varlen_func, (is_fa_version_supported, fa_version_unsupported_reason)
+
+
+def _probe(kernel: FlashAttention, device, head_dim: int, dtype) -> str | None:
+    """One small batched call against fp32 SDPA: catches a library that loads but fails to run."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(2, n, 2, head_dim, generator=gen).to(device, dtype) for n in (8, 40, 40))
+        got = kernel(q, k, v)
+        want = SdpaAttention()(q.float(), k.float(), v.float())
+        worst = float((got.float() - want).abs().max())
+    except Exception as exc:
+        return repr(exc)[:300]
+    return None if worst <= 1e-2 else f"max abs diff {worst:.3g} vs fp32 SDPA"
+
+
+def select_dense_attention(device, head_dim: int, dtype: torch.dtype, setting: str = "auto",
+                           probe: bool = True) -> FlashAttention | SdpaAttention | Reason:
+    """The attention the fast step uses on ``device``, or why the requested one cannot run.
+
+    ``setting``: "auto" (FA3 on compute capability 9.x, else FA2, else SDPA, whose ``skipped``
+    says why each faster one was passed over), "3" or "2" (that FlashAttention, or the Reason it
+    cannot run), "sdpa". Nothing is read from version strings: the function's signature is
+    probed, vllm says which builds load, and ``probe`` runs one small call (the FA2 build JIT-
+    compiles for ~100 s on its first call on Hopper, where FA3 is tried first).
+    """
+    if setting not in DENSE_SETTINGS:
+        raise ValueError(f"attention setting {setting!r}: expected one of {', '.join(DENSE_SETTINGS)}")
+    if setting == "sdpa":
+        return SdpaAttention()
+    device = torch.device(device)
+
+    def none(reason, detail):
+        found = reason.because(detail)
+        return SdpaAttention((found,)) if setting == "auto" else found
+
+    if device.type != "cuda":
+        return none(NOT_CUDA, f"device is {device}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        return none(NOT_HALF, str(dtype))
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return none(BAD_HEAD_DIM, f"head_dim={head_dim}")
+    try:
+        fn, support = _flash()
+        params = inspect.signature(fn).parameters
+    except Exception as exc:  # an ImportError, a library that fails to load, no signature
+        return none(FA_IMPORT, f"vllm.vllm_flash_attn: {exc!r}"[:300])
+    missing = [p for p in VARLEN_KWARGS if p not in params]
+    if missing:
+        return none(FA_SIGNATURE, f"flash_attn_varlen_func lacks {', '.join(missing)}")
+    pass_version = "fa_version" in params
+
+    def why_not(version: int) -> str | None:
+        if not pass_version:  # such a function runs FA2 only (its historical default)
+            return None if version == 2 else "flash_attn_varlen_func has no fa_version argument"
+        if support is None or support[0](version):
+            return None
+        return str(support[1](version) or "vllm says unsupported")
+
+    if setting in ("2", "3"):
+        versions = (int(setting),)
+    else:
+        versions = (3, 2) if torch.cuda.get_device_capability(device)[0] == 9 else (2,)
+    skipped: list[Reason] = []
+    for version in versions:
+        why = why_not(version)
+        if why is not None:
+            skipped.append((FA3_UNSUPPORTED if version == 3 else FA2_UNSUPPORTED).because(why))
+            continue
+        kernel = FlashAttention(fn, version, pass_version, tuple(skipped))
+        bad = _probe(kernel, device, head_dim, dtype) if probe else None
+        if bad is None:
+            return kernel
+        skipped.append(FA_PROBE.because(f"FA{version}: {bad}"))
+    return SdpaAttention(tuple(skipped)) if setting == "auto" else skipped[-1]
+
+
+def describe_dense(setting: str = "auto", head_dim: int = 128) -> str:
+    """One line for ``doctor``: the attention Qwen-Image-2.1's fast step would use on cuda:0."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    found = select_dense_attention(device, head_dim, torch.bfloat16, setting, probe=False)
+    if isinstance(found, Reason):
+        return f"dense attention: none: {found.describe()}; {found.hint}"
+    skipped = "; ".join(r.describe() for r in getattr(found, "skipped", ()))
+    return f"dense attention: {found.name} on {device}" + (f" (skipped: {skipped})" if skipped else "")

@@ -114,6 +114,9 @@ class StaticBuffers:
     prefix: list[tuple[Tensor, Tensor]]  # per layer (k, v): copied once per request
     request: dict[str, Tensor]  # per-request inputs (e.g. rotary rows): copied once per request
     step: dict[str, Tensor]  # per-step inputs (e.g. latents, timestep): copied every step
+    # With ``tail``: per layer (k, v) of prefix + tail tokens along dim 1, whose first rows are
+    # ``prefix`` (views); a step writes its own K/V into the tail in place (no concatenation).
+    kv: list[tuple[Tensor, Tensor]] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -131,19 +134,21 @@ class Entry:
         return self.owner is not None and self.owner() is not None
 
 
-def _alloc_like(t: Tensor) -> Tensor:
-    """One static buffer (a seam for tests that inject an OOM)."""
+def _alloc_like(t: Tensor, rows: int | None = None) -> Tensor:
+    """One static buffer like ``t`` (``rows`` along dim 1 instead of ``t``'s; a seam for tests
+    that inject an OOM)."""
+    shape = t.shape if rows is None else (t.shape[0], rows, *t.shape[2:])
     # A buffer made under inference_mode could not be written outside it, and a later request may
     # run under plain no_grad: make a normal tensor, which either mode may copy into.
     with torch.inference_mode(False):
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
 
 
-def _signature(prefix, request, step) -> tuple:
+def _signature(prefix, request, step, tail: int = 0) -> tuple:
     def sig(t: Tensor) -> tuple:
         return (tuple(t.shape), t.dtype, str(t.device))
 
-    return (tuple((sig(k), sig(v)) for k, v in prefix),
+    return (tail, tuple((sig(k), sig(v)) for k, v in prefix),
             tuple((name, sig(t)) for name, t in sorted(request.items())),
             tuple((name, sig(t)) for name, t in sorted(step.items())))
 
@@ -191,13 +196,14 @@ class PrefixGraphs:
         return entry
 
     def bind(self, owner: object, key: PrefixKey, prefix: list[tuple[Tensor, Tensor]],
-             request: dict[str, Tensor], step: dict[str, Tensor]) -> Entry | None:
+             request: dict[str, Tensor], step: dict[str, Tensor], tail: int = 0) -> Entry | None:
         """Give ``owner`` an entry holding copies of ``prefix`` and ``request``; None if it cannot.
 
-        ``step`` is only read for shapes here. The caller may re-point the owner's cache at
-        ``entry.buffers.prefix`` afterwards: those buffers stay the owner's while it lives.
+        ``step`` is only read for shapes here. ``tail``: room for that many more tokens after the
+        prefix in each layer's buffers (``StaticBuffers.kv``). The caller may re-point the owner's
+        cache at ``entry.buffers.prefix`` afterwards: those buffers stay the owner's while it lives.
         """
-        sig = _signature(prefix, request, step)
+        sig = _signature(prefix, request, step, tail)
         with self._lock:
             previous = self.lookup(owner)
             if previous is not None:
@@ -218,7 +224,7 @@ class PrefixGraphs:
                 return None
             entry = self._take_free(key, sig)
             if entry is None:
-                entry = self._new_entry(key, sig, prefix, request, step)
+                entry = self._new_entry(key, sig, prefix, request, step, tail)
                 if entry is None:
                     return None
             bufs = entry.buffers
@@ -266,15 +272,24 @@ class PrefixGraphs:
                 return entry
         return None
 
-    def _new_entry(self, key, sig, prefix, request, step) -> Entry | None:
+    def _new_entry(self, key, sig, prefix, request, step, tail: int = 0) -> Entry | None:
         if len(self._entries) >= self.max_entries and not self._evict_one_free():
             self._fallback(CAPACITY.because(f"max_entries={self.max_entries}"), key)
             return None
+
         def allocate() -> StaticBuffers:
+            kv = None
+            if tail:
+                rows = prefix[0][0].shape[1] + tail
+                kv = [(_alloc_like(k, rows), _alloc_like(v, rows)) for k, v in prefix]
+                views = [(k[:, :p.shape[1]], v[:, :p.shape[1]]) for (k, v), (p, _) in zip(kv, prefix)]
+            else:
+                views = [(_alloc_like(k), _alloc_like(v)) for k, v in prefix]
             return StaticBuffers(
-                prefix=[(_alloc_like(k), _alloc_like(v)) for k, v in prefix],
+                prefix=views,
                 request={name: _alloc_like(t) for name, t in request.items()},
                 step={name: _alloc_like(t) for name, t in step.items()},
+                kv=kv,
             )
 
         try:
@@ -366,7 +381,10 @@ class PrefixGraphs:
             warm = self._capture(entry)
             if warm is None:
                 return None
-        entry.graph.replay()
+        # Under the lock that captures hold: a replay launched from another thread while a graph
+        # is being captured into the same pool would be a dependency the capture cannot record.
+        with self._lock:
+            entry.graph.replay()
         stats.count(self.model, "replay")
         # The next replay of this entry overwrites its output buffer in place.
         out = entry.output.clone()

@@ -123,10 +123,13 @@ def _prepare(target, *extra_owners) -> Any:
 
 
 def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int | None = None,
-           capture: bool = True) -> CachedStepGraphs:
+           capture: bool = True, mode: str | None = None, attention: str = "auto",
+           compile: bool = True) -> CachedStepGraphs:
     """Wire cached-step graphs onto a diffusers Qwen-Image-2.1 pipeline or transformer.
 
-    ``verify`` and ``max_entries`` default to ``VLLM_OMNI_GRAPHDECODE_VERIFY`` / ``_MAX_ENTRIES``.
+    ``verify``, ``max_entries`` and ``mode`` ("fast" or "exact") default to
+    ``VLLM_OMNI_GRAPHDECODE_VERIFY`` / ``_MAX_ENTRIES`` / ``_QWEN_MODE``. ``attention`` ("auto",
+    "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``kernels``, ``fast_step``).
     ``capture=False`` runs the same static-buffer step eagerly (any device). Returns the wiring
     (``disable()`` undoes it); enabling an already wired transformer returns the existing one.
     Raises HookRefused when this diffusers version moved what the hook reads, and ValueError when no
@@ -144,7 +147,8 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
     cfg = config.get()
     return CachedStepGraphs(transformer, verify=cfg.verify if verify is None else verify,
                             max_entries=cfg.max_entries if max_entries is None else max_entries,
-                            capture=capture)
+                            capture=capture, mode=cfg.qwen_mode if mode is None else mode,
+                            attention=attention, compile=compile)
 
 
 def _attach_release(runner, wiring: CachedStepGraphs) -> str:
@@ -162,11 +166,14 @@ def wire(target, cfg: config.Config, runner) -> str:
     if existing is not None:
         return "already wired"
     transformer = _prepare(target, pipeline, getattr(pipeline, "_pipeline", None))
-    wiring = CachedStepGraphs(transformer, verify=cfg.verify, max_entries=cfg.max_entries)
+    wiring = CachedStepGraphs(transformer, verify=cfg.verify, max_entries=cfg.max_entries,
+                              mode=cfg.qwen_mode)
     release = _attach_release(runner, wiring)
     line = (f"cached steps of {type(transformer).__name__} ({len(transformer.transformer_blocks)} "
-            f"layers) replay CUDA graphs; max_entries={cfg.max_entries}, "
+            f"layers) replay CUDA graphs, {cfg.qwen_mode} mode; max_entries={cfg.max_entries}, "
             f"verify={'on' if cfg.verify else 'off'}; {release}")
+    if cfg.qwen_mode == "fast" and cfg.precapture:
+        line += f"; {wiring.precompile()}"
     try:
         device = next(transformer.parameters()).device
         found = structure_reason(transformer, device)

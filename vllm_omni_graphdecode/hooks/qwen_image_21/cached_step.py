@@ -20,16 +20,57 @@ What runs where on a cached step
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
-from ... import eligibility, stats
+from ... import eligibility, kernels, stats
 from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
-from . import names
-from .rules import (AUTOGRAD, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
+from ...reasons import Reason
+from . import fast_step, names
+from .rules import (AUTOGRAD, COMPILED, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
                     structure_reason)
 
 MODEL = "qwen_image_21"
+MODES = ("fast", "exact")
+
+# The fast mode without one of its parts: counted (stats.degraded) and logged once; the graph
+# path still runs, with the part named in the detail replaced by the exact step's.
+FAST_PARTIAL = Reason("fast cached step without one of its parts",
+                      "see the detail: FlashAttention needs vllm's build on an sm_80+ GPU, "
+                      "torch.compile needs Triton; VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact is "
+                      "diffusers' own rounding")
+FAST_NOT_HERE = Reason("fast cached step not applicable; exact step captured instead",
+                       "see the detail (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact silences this)")
+
+
+class _Fast:
+    """What the fast mode runs on one device: the attention kernel, whether Inductor compiles
+    the block regions, the blocks. Built at the first bind."""
+
+    def __init__(self, transformer, device, *, attention: str, compile: bool):
+        dtype = transformer.img_in.weight.dtype
+        head_dim = transformer.transformer_blocks[0].attn.inner_dim // \
+            transformer.transformer_blocks[0].attn.heads
+        found = kernels.select_dense_attention(device, head_dim, dtype, attention)
+        if isinstance(found, Reason):  # an explicit kernel that cannot run: the last resort
+            stats.degraded(MODEL, FAST_PARTIAL.because(f"attention: {found.describe()}"))
+            found = kernels.SdpaAttention((found,))
+        for skipped in found.skipped:
+            stats.degraded(MODEL, FAST_PARTIAL.because(f"attention {found.name}: "
+                                                       f"{skipped.describe()}"))
+        self.attention = found
+        if compile:
+            why = fast_step.compile_supported(device)
+            if why is not None:
+                stats.degraded(MODEL, FAST_PARTIAL.because(f"no compile: {why.describe()}"))
+                compile = False
+        self.compile = compile
+        self.blocks = fast_step.FastBlocks(transformer, found, compile=compile)
+
+    @property
+    def name(self) -> str:
+        return f"fast:{self.attention.name}:{'compiled' if self.compile else 'eager'}"
 
 
 class CachedStepGraphs:
@@ -40,10 +81,16 @@ class CachedStepGraphs:
     ``disable()`` puts the forward back and drops every graph.
     """
 
-    def __init__(self, transformer, *, max_entries: int, verify: bool, capture: bool = True):
+    def __init__(self, transformer, *, max_entries: int, verify: bool, capture: bool = True,
+                 mode: str = "exact", attention: str = "auto", compile: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.d = names.resolve()
         self.transformer = transformer
         self.original = transformer.forward
+        self.mode = mode
+        self._fast_options = {"attention": attention, "compile": compile}
+        self._fast: _Fast | Reason | None = None  # built at the first fast bind
         self.graphs = PrefixGraphs(MODEL, self._step, max_entries=max_entries, verify=verify,
                                    capture=capture)
         # With capture off (CPU tests, the benchmark's static baseline) the device is not a reason.
@@ -122,8 +169,10 @@ class CachedStepGraphs:
             entry = self._bind(kv_cache, hidden_states, timestep, img_shapes, img_mask, backend)
             if entry is None:
                 return None
-        # eager: diffusers' own cached forward, what verify mode checks a new graph against.
-        return self.graphs.run(entry, {"latents": hidden_states, "timestep": timestep}, eager=eager)
+        # eager: diffusers' own cached forward, what verify mode checks a new exact graph
+        # against; a fast graph is checked against its own warm-up (same kernels, same rounding).
+        return self.graphs.run(entry, {"latents": hidden_states, "timestep": timestep},
+                               eager=eager if entry.buffers.kv is None else None)
 
     def _still_bound(self, entry, kv_cache, hidden_states, timestep, img_shapes, img_mask,
                      backend) -> bool:
@@ -131,7 +180,7 @@ class CachedStepGraphs:
         meta = entry.meta
         if (meta.get("layout") != _layout_sig(img_shapes, img_mask)
                 or meta.get("step") != _step_sig(hidden_states, timestep)
-                or entry.key.backend != backend):
+                or meta.get("backend") != backend):
             return False
         # A new extract into the same cache object stores new tensors: re-copy then.
         for i, (k, v) in enumerate(entry.buffers.prefix):
@@ -143,7 +192,9 @@ class CachedStepGraphs:
     def _bind(self, kv_cache, hidden_states, timestep, img_shapes, img_mask, backend):
         tf = self.transformer
         device = hidden_states.device
-        found = structure_reason(tf, device)
+        # The fast body reads the blocks' weights, never their forward: blocks compiled by
+        # vLLM-Omni's runner (regional compile) are no obstacle to it.
+        found = structure_reason(tf, device, compiled_ok=self.mode == "fast")
         if found is not None:
             stats.fallback(MODEL, found)
             return None
@@ -155,12 +206,20 @@ class CachedStepGraphs:
         if layout is None:
             return None
         rotary, target_mask = layout
+        fast = self._fast_for(device, target_mask)
+        if fast is None and self.mode == "fast":
+            compiled = eligibility.scan(tf).compiled
+            if compiled is not None:  # the exact body would call the compiled blocks in a capture
+                stats.fallback(MODEL, COMPILED.because(compiled))
+                return None
         key = PrefixKey(batch=hidden_states.shape[0], prefix_len=prefix_len,
                         target=(hidden_states.shape[1], rotary.shape[0]), dtype=tf.img_in.weight.dtype,
-                        device=str(device), backend=backend)
+                        device=str(device),
+                        backend=f"{fast.name}" if fast is not None else f"exact:{backend}")
         entry = self.graphs.bind(kv_cache, key, prefix,
                                  request={"rotary": rotary, "target_mask": target_mask},
-                                 step={"latents": hidden_states, "timestep": timestep})
+                                 step={"latents": hidden_states, "timestep": timestep},
+                                 tail=rotary.shape[0] if fast is not None else 0)
         if entry is None:
             return None
         for i, (k, v) in enumerate(entry.buffers.prefix):
@@ -168,7 +227,7 @@ class CachedStepGraphs:
             # later in this request sees the same values), and the extract step's copies are freed.
             kv_cache.get_layer(i).store(k, v)
         entry.meta.update(layout=_layout_sig(img_shapes, img_mask),
-                          step=_step_sig(hidden_states, timestep))
+                          step=_step_sig(hidden_states, timestep), backend=backend)
         return entry
 
     def _read_prefix(self, kv_cache, hidden_states):
@@ -233,13 +292,80 @@ class CachedStepGraphs:
             return None
         return rotary[prefix_len:], target_mask[prefix_len:]
 
-    def _step(self, bufs: StaticBuffers) -> torch.Tensor:
-        """The cached step over static buffers: what the graph replays. Mirrors the transformer's
-        ``"cached"`` path from ``img_in`` to ``proj_out``, with the prologue's per-request results
-        read from ``bufs.request``."""
+    def precompile(self, target_tokens: int = 4096, batch: int = 1) -> str:
+        """Compile the fast regions for ``target_tokens`` (4,096: 1024x1024) at ``batch`` now, so
+        the first request of that size pays no compile. Runs one block on zeros, no capture, no
+        prefix (compiled code is keyed by batch and target shape only). Returns the log's words."""
         tf = self.transformer
-        rotary, target_mask = bufs.request["rotary"], bufs.request["target_mask"]
-        target_tokens = rotary.shape[0]  # a Python int frozen into the graph; part of the key
+        device = next(tf.parameters()).device
+        if device.type != "cuda":
+            return "fast step not pre-compiled: not CUDA"
+        start = time.perf_counter()
+        fast = self._fast_for(device, torch.ones(1, dtype=torch.bool, device=device))
+        if fast is None or not fast.compile:
+            return "fast step not pre-compiled: " + (
+                "compile off" if fast is not None else self._fast.describe())
+        dim = tf.img_in.out_features
+        block = tf.transformer_blocks[0].attn
+        head_dim = block.inner_dim // block.heads
+        dtype = tf.img_in.weight.dtype
+        try:
+            # vLLM-Omni runs requests under inference_mode: compile under it too (Dynamo guards
+            # on the grad mode), so the first request reuses this code.
+            with torch.inference_mode():
+                kv = fast_step.KVBuffers(1, batch, 16, target_tokens, block.heads, head_dim,
+                                         dtype=dtype, device=device)
+                fast.blocks.prepare(kv)
+                hidden = torch.zeros(batch, target_tokens, dim, dtype=dtype, device=device)
+                modulation = torch.zeros(batch + 1, 4 * dim, dtype=dtype, device=device)
+                rotary = torch.zeros(target_tokens, head_dim // 2, 2, device=device)
+                fast.blocks.block(0, hidden, modulation, rotary, kv)
+            torch.cuda.synchronize(device)
+        except fast_step.CompileFailed as exc:
+            self._fast = exc.reason
+            stats.degraded(MODEL, FAST_NOT_HERE.because(exc.reason.describe()))
+            return f"fast step compile failed ({exc.reason.describe()}): exact step"
+        return (f"fast step compiled for {target_tokens} target tokens x batch {batch} in "
+                f"{time.perf_counter() - start:.1f} s ({fast.name})")
+
+    def _fast_for(self, device, target_mask) -> _Fast | None:
+        """The fast mode's parts for this bind, or None for the exact step (the reason counted)."""
+        if self.mode != "fast":
+            return None
+        if self._fast is None:
+            why = fast_step.structure_problem(self.transformer)
+            if why is None:
+                try:
+                    self._fast = _Fast(self.transformer, device, **self._fast_options)
+                except fast_step.CompileFailed as exc:
+                    why = exc.reason
+            if why is not None:
+                self._fast = why
+        if isinstance(self._fast, Reason):
+            stats.degraded(MODEL, FAST_NOT_HERE.because(self._fast.describe()))
+            return None
+        if not fast_step.mask_all_target(target_mask):  # host sync: once per bind
+            stats.degraded(MODEL, FAST_NOT_HERE.because("a target row modulates from t=0"))
+            return None
+        return self._fast
+
+    def _step(self, bufs: StaticBuffers) -> torch.Tensor:
+        """What the graph replays: the fast body for entries bound with K/V tail buffers, the exact
+        one otherwise."""
+        if bufs.kv is not None and isinstance(self._fast, _Fast):
+            try:
+                return self._fast_step(bufs)
+            except fast_step.CompileFailed as exc:
+                # Raised by a warm-up (a compile or recompile that failed), before any capture:
+                # this process runs the exact step from here on, over the same buffers.
+                self._fast = exc.reason
+                stats.degraded(MODEL, FAST_NOT_HERE.because(exc.reason.describe()))
+        return self._exact_step(bufs)
+
+    def _head(self, bufs: StaticBuffers):
+        """img_in, the timestep embedding and the shared modulation: (hidden, temb, modulation)."""
+        tf = self.transformer
+        target_tokens = bufs.request["rotary"].shape[0]  # a Python int frozen into the graph
         # img_in over every latent token, as the forward does, so the GEMM shape (hence its bits) match.
         hidden = tf.img_in(bufs.step["latents"])[:, -target_tokens:]
         timestep = bufs.step["timestep"].to(hidden.dtype)
@@ -247,7 +373,26 @@ class CachedStepGraphs:
         # mask selects the real rows, exactly as the forward does.
         timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
         temb = tf.time_text_embed(timestep, hidden)
-        modulation = tf.modulation(temb)
+        return hidden, temb, tf.modulation(temb)
+
+    def _fast_step(self, bufs: StaticBuffers) -> torch.Tensor:
+        """The fast body (``fast_step``): each block writes its target K/V into the tail of the
+        entry's buffers and attends over prefix + target with the selected kernel."""
+        tf = self.transformer
+        hidden, temb, modulation = self._head(bufs)
+        kv = fast_step.KVBuffers.wrap(bufs.kv, bufs.prefix[0][0].shape[1])
+        self._fast.blocks.prepare(kv)
+        hidden = self._fast.blocks(hidden, modulation, bufs.request["rotary"], kv)
+        hidden = tf.norm_out(hidden, temb, bufs.request["target_mask"])
+        return tf.proj_out(hidden)
+
+    def _exact_step(self, bufs: StaticBuffers) -> torch.Tensor:
+        """The cached step over static buffers, diffusers' own block code. Mirrors the transformer's
+        ``"cached"`` path from ``img_in`` to ``proj_out``, with the prologue's per-request results
+        read from ``bufs.request``."""
+        tf = self.transformer
+        rotary, target_mask = bufs.request["rotary"], bufs.request["target_mask"]
+        hidden, temb, modulation = self._head(bufs)
         for block, (k, v) in zip(tf.transformer_blocks, bufs.prefix):
             layer = self.d.layer_cache_cls()
             layer.store(k, v)

@@ -46,8 +46,6 @@ option) sets per process; past it a call raises ``CompileFailed`` and the exact 
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import os
 import shutil
 import sys
@@ -56,217 +54,34 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ...reasons import Reason
+
 Tensor = torch.Tensor
 
-# Reasons, as the hook's (reason, hint) pairs: the reason is a stable stats key.
-NOT_CUDA = ("not CUDA", "run on a CUDA GPU")
-NOT_HALF = ("FlashAttention needs fp16/bf16", "run the transformer in bfloat16")
-BAD_HEAD_DIM = ("head_dim not a multiple of 8 or > 256",
-                "nothing to change: FlashAttention does not take this head size")
-FA_IMPORT = ("FlashAttention import failed", "use a CUDA build of vllm (it ships vllm.vllm_flash_attn)")
-FA_SIGNATURE = ("flash_attn_varlen_func lacks non-paged kwargs",
-                "use a vllm whose flash_attn_varlen_func takes cu_seqlens_k")
-FA3_UNSUPPORTED = ("FA3 unsupported here", "FA3 needs compute capability 9.x and vllm's FA3 build")
-FA2_UNSUPPORTED = ("FA2 unsupported here", "FA2 needs compute capability >= 8.0 and vllm's FA2 build")
-FA_PROBE = ("FlashAttention failed its probe call", "report this with the logged detail")
-NO_COMPILE = ("torch.compile unavailable", "use torch >= 2.5 on a Python version Dynamo supports")
-NO_TRITON = ("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
-NO_CXX = ("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
-COMPILE_FAILED = ("torch.compile of the fast block failed",
-                  "report the logged error; the exact step runs for this shape")
-STRUCTURE = ("transformer block differs from diffusers 0.41-0.42's QwenImage21TransformerBlock",
-             "use the exact mode for this model")
 
-SETTINGS = ("auto", "3", "2", "sdpa")
-MAX_HEAD_DIM = 256
-VARLEN_KWARGS = ("max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "cu_seqlens_k", "softmax_scale",
-                 "causal")
+NO_COMPILE = Reason("torch.compile unavailable", "use torch >= 2.5 on a Python that Dynamo supports")
+NO_TRITON = Reason("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
+NO_CXX = Reason("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
+COMPILE_FAILED = Reason("torch.compile of the fast block failed",
+                        "report the logged error; the exact step runs for this shape")
+STRUCTURE = Reason("transformer block differs from diffusers 0.41-0.42's QwenImage21TransformerBlock",
+                   "use the exact mode for this model")
 
-
-@dataclasses.dataclass(frozen=True)
-class Unavailable:
-    """Why something faster does not run: ``reason`` is a (stable key, hint) pair, ``detail`` what
-    was seen. ``key`` and ``hint`` read them."""
-
-    reason: tuple[str, str]
-    detail: str = ""
-
-    key = property(lambda self: self.reason[0])
-    hint = property(lambda self: self.reason[1])
-
-    def __str__(self) -> str:
-        return f"{self.key} ({self.detail})" if self.detail else self.key
 
 
 class CompileFailed(RuntimeError):
-    """torch.compile could not compile (or recompile) a fast-block region, or cannot run here.
-    ``unavailable`` carries the reason; the caller runs the exact step and counts it."""
+    """torch.compile cannot run here, or could not compile (or recompile) a fast-block region.
+    ``reason`` says which; the caller runs the exact step and counts it."""
 
-    def __init__(self, unavailable: Unavailable):
-        super().__init__(str(unavailable))
-        self.unavailable = unavailable
+    def __init__(self, reason: Reason):
+        super().__init__(reason.describe())
+        self.reason = reason
 
 
 def mask_all_target(mask: Tensor) -> bool:
     """Whether a cached step's modulation mask (bool, ``(T,)``) selects the real-timestep row for
     every row, as the fast body assumes. Syncs the host: call it at bind."""
     return mask.dtype == torch.bool and bool(mask.all())
-
-
-# -- attention ----------------------------------------------------------------------------------
-
-class SdpaAttention:
-    """``torch.nn.functional.scaled_dot_product_attention`` as diffusers' native backend calls it;
-    the last resort, and the reference on CPU. Same call as ``FlashAttention``."""
-
-    name = "SDPA (torch.nn.functional.scaled_dot_product_attention)"
-    fa_version = None
-
-    def __init__(self, skipped: tuple[Unavailable, ...] = ()):
-        self.skipped = skipped  # why each faster kernel was passed over, for the log
-
-    def prepare(self, batch: int, q_len: int, k_len: int, device) -> None:
-        """Nothing to build for SDPA."""
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             dropout_p=0.0, is_causal=False, scale=softmax_scale)
-        return out.transpose(1, 2)
-
-
-class FlashAttention:
-    """vllm's ``flash_attn_varlen_func`` without paging, called as::
-
-        out = attention(q, k, v, softmax_scale=None)
-
-    q:    (B, Tq, H, D), fp16/bf16, contiguous (else copied).
-    k, v: (B, Tk, H, D), q's dtype, contiguous (``KVBuffers``' per-layer buffers are).
-    softmax_scale: float, default ``D ** -0.5``.
-    returns (B, Tq, H, D), q's dtype. No mask, not causal.
-
-    ``cu_seqlens`` per (B, Tq, Tk) are built by ``prepare`` (call it at bind, outside any capture)
-    and reused, so a step allocates nothing that depends on data; an unprepared shape is built on
-    first use, except while a graph is being captured (RuntimeError).
-    """
-
-    def __init__(self, fn: Callable, fa_version: int, pass_version: bool,
-                 skipped: tuple[Unavailable, ...] = ()):
-        self.name = f"FA{fa_version} varlen (vllm.vllm_flash_attn)"
-        self.fa_version = fa_version
-        self.skipped = skipped
-        self._fn = fn
-        self._extra = {"fa_version": fa_version} if pass_version else {}
-        self._cu: dict[tuple, tuple[Tensor, Tensor]] = {}
-
-    def prepare(self, batch: int, q_len: int, k_len: int, device) -> tuple[Tensor, Tensor]:
-        key = (batch, q_len, k_len, str(torch.device(device)))
-        if key not in self._cu:
-            with torch.inference_mode(False):
-                self._cu[key] = tuple(torch.arange(0, (batch + 1) * n, n, dtype=torch.int32,
-                                                   device=device) for n in (q_len, k_len))
-        return self._cu[key]
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
-        b, tq, h, d = q.shape
-        tk = k.shape[1]
-        cu = self._cu.get((b, tq, tk, str(q.device)))
-        if cu is None:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"{self.name}: prepare({b}, {tq}, {tk}) was not called before "
-                                   f"capture (cu_seqlens would live in the graph's pool)")
-            cu = self.prepare(b, tq, tk, q.device)
-        # max_seqlen_* are host ints a captured graph keeps: shapes are fixed per entry.
-        out = self._fn(q.reshape(b * tq, h, d), k.reshape(b * tk, h, d), v.reshape(b * tk, h, d),
-                       max_seqlen_q=tq, cu_seqlens_q=cu[0], max_seqlen_k=tk, cu_seqlens_k=cu[1],
-                       softmax_scale=softmax_scale, causal=False, **self._extra)
-        return out.view(b, tq, h, d)
-
-
-def _flash():
-    """vllm's ``flash_attn_varlen_func`` and its (is_supported, reason) pair, None on old wheels."""
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    try:
-        from vllm.vllm_flash_attn.flash_attn_interface import (
-            fa_version_unsupported_reason,
-            is_fa_version_supported,
-        )
-    except ImportError:
-        return flash_attn_varlen_func, None
-    return flash_attn_varlen_func, (is_fa_version_supported, fa_version_unsupported_reason)
-
-
-def _probe(kernel: FlashAttention, device, head_dim: int, dtype) -> str | None:
-    """One small batched call against fp32 SDPA: catches a library that loads but fails to run."""
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(2, n, 2, head_dim, generator=gen).to(device, dtype) for n in (8, 40, 40))
-        got = kernel(q, k, v)
-        want = SdpaAttention()(q.float(), k.float(), v.float())
-        worst = float((got.float() - want).abs().max())
-    except Exception as exc:
-        return repr(exc)[:300]
-    return None if worst <= 1e-2 else f"max abs diff {worst:.3g} vs fp32 SDPA"
-
-
-def select_dense_attention(device, head_dim: int, dtype: torch.dtype, setting: str = "auto",
-                           probe: bool = True) -> FlashAttention | SdpaAttention | Unavailable:
-    """The attention the fast step uses on ``device``, or why the requested one cannot run.
-
-    ``setting``: "auto" (FA3 on compute capability 9.x, else FA2, else SDPA; never Unavailable:
-    the SDPA kernel's ``skipped`` says why each faster one was passed over), "3" or "2" (that
-    FlashAttention or Unavailable), "sdpa". Nothing is read from version strings: the function's
-    signature is probed, vllm says which builds load, and ``probe`` runs one small call.
-    """
-    if setting not in SETTINGS:
-        raise ValueError(f"attention setting {setting!r}: expected one of {', '.join(SETTINGS)}")
-    if setting == "sdpa":
-        return SdpaAttention()
-    device = torch.device(device)
-
-    def none(reason, detail):
-        found = Unavailable(reason, detail)
-        return SdpaAttention((found,)) if setting == "auto" else found
-
-    if device.type != "cuda":
-        return none(NOT_CUDA, f"device is {device}")
-    if dtype not in (torch.float16, torch.bfloat16):
-        return none(NOT_HALF, str(dtype))
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        return none(BAD_HEAD_DIM, f"head_dim={head_dim}")
-    try:
-        fn, support = _flash()
-        params = inspect.signature(fn).parameters
-    except Exception as exc:  # an ImportError, a library that fails to load, no signature
-        return none(FA_IMPORT, f"vllm.vllm_flash_attn: {exc!r}"[:300])
-    missing = [p for p in VARLEN_KWARGS if p not in params]
-    if missing:
-        return none(FA_SIGNATURE, f"flash_attn_varlen_func lacks {', '.join(missing)}")
-    pass_version = "fa_version" in params
-
-    def why_not(version: int) -> str | None:
-        if not pass_version:  # such a function runs FA2 only (its historical default)
-            return None if version == 2 else "flash_attn_varlen_func has no fa_version argument"
-        if support is None or support[0](version):
-            return None
-        return str(support[1](version) or "vllm says unsupported")
-
-    if setting in ("2", "3"):
-        versions = (int(setting),)
-    else:
-        versions = (3, 2) if torch.cuda.get_device_capability(device)[0] == 9 else (2,)
-    skipped: list[Unavailable] = []
-    for version in versions:
-        why = why_not(version)
-        if why is not None:
-            skipped.append(Unavailable(FA3_UNSUPPORTED if version == 3 else FA2_UNSUPPORTED, why))
-            continue
-        kernel = FlashAttention(fn, version, pass_version, tuple(skipped))
-        bad = _probe(kernel, device, head_dim, dtype) if probe else None
-        if bad is None:
-            return kernel
-        skipped.append(Unavailable(FA_PROBE, f"FA{version}: {bad}"))
-    return SdpaAttention(tuple(skipped)) if setting == "auto" else skipped[-1]
 
 
 # -- K/V buffers --------------------------------------------------------------------------------
@@ -292,6 +107,17 @@ class KVBuffers:
             self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
             self._prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in zip(self.k, self.v)]
             self.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in zip(self.k, self.v)]
+
+    @classmethod
+    def wrap(cls, kv: list[tuple[Tensor, Tensor]], prefix_len: int) -> KVBuffers:
+        """Buffers over tensors allocated elsewhere (``prefix_graph``'s ``StaticBuffers.kv``): per
+        layer (k, v) ``(B, prefix_len + target_len, H, D)``. Allocates nothing."""
+        bufs = cls.__new__(cls)
+        bufs.prefix_len, bufs.target_len = prefix_len, kv[0][0].shape[1] - prefix_len
+        bufs.k, bufs.v = [k for k, _ in kv], [v for _, v in kv]
+        bufs._prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in kv]
+        bufs.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in kv]
+        return bufs
 
     @classmethod
     def from_prefix(cls, prefix: list[tuple[Tensor, Tensor]], target_len: int) -> KVBuffers:
@@ -410,7 +236,7 @@ def compiled_graphs() -> int:
     return sum(backend.graphs for backend, _, _ in _COMPILED.values())
 
 
-def compile_supported(device) -> Unavailable | None:
+def compile_supported(device) -> Reason | None:
     """Why torch.compile cannot build the fast block for ``device``; None when it can."""
     device = torch.device(device)
     try:
@@ -418,26 +244,26 @@ def compile_supported(device) -> Unavailable | None:
         import torch._inductor.config as inductor_config
 
         if not dynamo.is_dynamo_supported():
-            return Unavailable(NO_COMPILE, f"Dynamo does not support Python {sys.version.split()[0]}")
+            return NO_COMPILE.because(f"Dynamo does not support Python {sys.version.split()[0]}")
     except Exception as exc:
-        return Unavailable(NO_COMPILE, repr(exc)[:300])
+        return NO_COMPILE.because(repr(exc)[:300])
     if not hasattr(inductor_config, "emulate_precision_casts"):
-        return Unavailable(NO_COMPILE, f"torch {torch.__version__} lacks emulate_precision_casts")
+        return NO_COMPILE.because(f"torch {torch.__version__} lacks emulate_precision_casts")
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 
-        return None if has_triton() else Unavailable(NO_TRITON, f"torch {torch.__version__}")
+        return None if has_triton() else NO_TRITON.because(f"torch {torch.__version__}")
     if device.type == "cpu":
         found = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++", "clang++"))
-        return None if found else Unavailable(NO_CXX, "no g++, c++, clang++ or $CXX on PATH")
-    return Unavailable(NO_COMPILE, f"device type {device.type}")
+        return None if found else NO_CXX.because("no g++, c++, clang++ or $CXX on PATH")
+    return NO_COMPILE.because(f"device type {device.type}")
 
 
 _LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer",
             "img_mlp.proj", "img_mlp.out")
 
 
-def structure_problem(transformer) -> Unavailable | None:
+def structure_problem(transformer) -> Reason | None:
     """Why the fast body would not compute what these blocks compute; None when it would."""
     for i, block in enumerate(transformer.transformer_blocks):
         try:
@@ -456,9 +282,9 @@ def structure_problem(transformer) -> Unavailable | None:
             if attn.to_q.out_features != attn.inner_dim or attn.inner_dim % attn.heads:
                 bad.append("attn heads (sharded or uneven)")
         except (AttributeError, KeyError, TypeError) as exc:
-            return Unavailable(STRUCTURE, f"block {i}: {exc!r}")
+            return STRUCTURE.because(f"block {i}: {exc!r}")
         if bad:
-            return Unavailable(STRUCTURE, f"block {i}: {', '.join(bad)}")
+            return STRUCTURE.because(f"block {i}: {', '.join(bad)}")
     return None
 
 
@@ -480,7 +306,7 @@ class FastBlocks:
                  emulate_casts: bool = True):
         problem = structure_problem(transformer)
         if problem is not None:
-            raise ValueError(str(problem))
+            raise ValueError(problem.describe())
         self.attention = attention
         self.compile = compile
         blocks = transformer.transformer_blocks
@@ -547,4 +373,4 @@ class FastBlocks:
         try:
             return fn(*args)
         except self._errors as exc:
-            raise CompileFailed(Unavailable(COMPILE_FAILED, repr(exc)[:500])) from exc
+            raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc

@@ -50,9 +50,11 @@ def _is_dtensor(t) -> bool:
     return any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
-def structure_reason(transformer, device: torch.device | None = None) -> Reason | None:
+def structure_reason(transformer, device: torch.device | None = None, *,
+                     compiled_ok: bool = False) -> Reason | None:
     """Why this transformer's cached steps cannot be captured as it is wired now, or None.
 
+    ``compiled_ok``: compiled blocks are no reason (the fast body reads their weights only).
     Checked at every bind (once per request branch); a change in the middle of a request is seen
     through ``eligibility.fingerprint`` at every step (``cached_step.py``).
     """
@@ -65,7 +67,7 @@ def structure_reason(transformer, device: torch.device | None = None) -> Reason 
     found = eligibility.scan(transformer)
     if found.sharded:
         return PARALLEL.because(found.sharded)
-    if found.compiled:
+    if found.compiled and not compiled_ok:
         return COMPILED.because(found.compiled)
     if found.offload:
         return OFFLOAD.because(found.offload)
