@@ -11,7 +11,7 @@ read over that time. ``max_abs_diff`` is against fp32 attention over the same ke
 
 - FA3 / FA2: vllm's ``vllm.vllm_flash_attn.flash_attn_varlen_func`` with ``seqused_k`` and
   ``block_table`` (block size 16, the plugin's), ``fa_version`` 3 or 2. FA2 has no sm_90 machine
-  code in vllm's wheel: its first call JIT-compiles PTX for ~106 s (FACTS §4), so it runs only when
+  code in vllm's wheel: its first call JIT-compiles PTX for ~106 s (measured on the H200, CONTRIBUTING.md), so it runs only when
   ``--fa`` names 2, after a warm-up call.
 - FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, page size 16, CUDA-graph mode, planned
   once per context outside the graph). vllm 0.26.0 pins flashinfer-python 0.6.14, which is not in

@@ -632,3 +632,22 @@ def test_regionally_compiled_blocks_are_no_obstacle_to_the_fast_mode(model):
     wiring.disable()
     qwen.enable(model, capture=False, mode="exact")
     _eager_result_with_reason(model, qwen.COMPILED, kwargs, cache)
+
+
+def test_fast_mode_precompile_leaves_nothing_to_compile_for_a_request_of_that_size(model):
+    """What wire() does at load with pre-capture on (for 1024x1024 there): run the fast step on
+    zeros laid out as a request's buffers. A real request of that target size then compiles
+    nothing (prompt length never reaches a compiled region). CPU, Inductor's C++ backend."""
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step
+
+    kwargs = request(model, text_tokens=9)  # the default 4x4 target: 16 tokens
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=True)
+    line = wiring.precompile(target_tokens=16, batch=1)
+    assert line.startswith("fast step compiled for 16 target tokens x batch 1"), line
+    before = fast_step.compiled_graphs()
+    with torch.inference_mode():
+        for s in (1, 2):
+            cached_call(model, at_step(kwargs, s), cache)
+    assert fast_step.compiled_graphs() == before
+    assert stats.get(MODEL, "static_step") == 2

@@ -362,6 +362,6 @@ def test_gpu_flash_attention_equals_sdpa_within_bf16_error(keys):
     ref = kernels.SdpaAttention()(q.float(), k.float(), v.float())
     sdpa_err = float((kernels.SdpaAttention()(q, k, v).float() - ref).abs().max())
     fa_err = float((attention(q, k, v).float() - ref).abs().max())
-    # Both accumulate in fp32 and round the output to bf16 once; FACTS section 4 measured FA3's
+    # Both accumulate in fp32 and round the output to bf16 once; the H200 measured FA3's
     # paged call 6e-4 from fp32 SDPA. 2x SDPA's own error, at least 2e-3 (a quarter of a bf16 ulp at 1.0).
     assert fa_err <= max(2 * sdpa_err, 2e-3), f"FA {fa_err:.3g} vs SDPA {sdpa_err:.3g}"

@@ -351,3 +351,45 @@ def test_fast_mode_precompile_at_load_leaves_nothing_to_compile_for_the_first_re
     with torch.inference_mode():
         cached_call(model, at_step(kwargs, 1), cache)
     assert fast_step.compiled_graphs() == before
+
+
+def test_fast_mode_without_flashattention_falls_back_to_sdpa_with_its_reason(monkeypatch):
+    from vllm_omni_graphdecode import kernels
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import cached_step
+
+    def missing():
+        raise ImportError("injected: no vllm.vllm_flash_attn here")
+
+    monkeypatch.setattr(kernels, "_flash", missing)
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    wiring = qwen.enable(model, mode="fast")
+    got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2)]
+    for g, e in zip(got, expected):
+        _close_to(g, e, "SDPA fast step vs diffusers")
+    assert wiring._fast.attention.name.startswith("SDPA") and stats.get(MODEL, "replay") == 2
+    assert f"{MODEL}: {cached_step.FAST_PARTIAL.key}" in stats.degraded_paths(MODEL)
+    assert stats.fallbacks(MODEL) == {}
+
+
+def test_fast_mode_compile_failure_captures_the_exact_step_instead(monkeypatch):
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import cached_step, fast_step
+
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    cache = extract(model, kwargs)
+    expected = [cached_reference(model, at_step(kwargs, s), cache) for s in (1, 2, 3)]
+    wiring = qwen.enable(model, mode="fast")
+    fast = wiring._fast_for(torch.device("cuda"), torch.ones(1, dtype=torch.bool, device="cuda"))
+
+    def fails(*args, **kwargs):
+        raise fast_step.CompileFailed(fast_step.COMPILE_FAILED.because("injected"))
+
+    monkeypatch.setattr(fast.blocks, "block", fails)
+    got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2, 3)]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))  # the exact step, bit for bit
+    assert stats.get(MODEL, "capture") == 1 and stats.get(MODEL, "replay") == 3
+    assert f"{MODEL}: {cached_step.FAST_NOT_HERE.key}" in stats.degraded_paths(MODEL)
+    assert stats.fallbacks(MODEL) == {}

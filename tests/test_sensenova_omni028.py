@@ -6,7 +6,7 @@ that tree first on ``sys.path``, so ``vllm_omni`` there is 0.28's, on the venv's
 SenseNova-U1 modules import and run there; vllm-omni only warns about the version pair). The
 child builds the tiny model from 0.28's classes and reports JSON; the test asserts on it.
 
-0.24 and 0.26 carry the same SenseNova-U1 code as 0.28 (compared as syntax trees, FACTS §1);
+0.24 and 0.26 carry the same SenseNova-U1 code as 0.28 (compared as syntax trees when this backport was written);
 0.26 itself is exercised on the GPU host (test_sensenova_gpu.py).
 """
 

@@ -115,8 +115,9 @@ SETTINGS: tuple[Setting, ...] = (
             "disables that graph (WARNING) and the request goes on eagerly. Costs one eager step "
             "per new graph."),
     Setting(PRECAPTURE_VAR, "1", _parse_bool, "precapture",
-            "1: capture SenseNova-U1's decode graphs for the pre-capture buckets at model load, "
-            "so the first request pays no capture. 0: capture lazily on first use."),
+            "1: at model load, capture SenseNova-U1's decode graphs for the pre-capture buckets "
+            "and compile Qwen-Image-2.1's fast step for 1024x1024, so the first request pays "
+            "neither. 0: both on first use."),
     Setting("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "auto", _choice("auto", "2", "3"), "fa_version",
             "FlashAttention version for paged decode: auto (FA3 on Hopper when the build has it, "
             "else FA2), 2 or 3."),

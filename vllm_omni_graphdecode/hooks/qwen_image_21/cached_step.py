@@ -294,37 +294,47 @@ class CachedStepGraphs:
 
     def precompile(self, target_tokens: int = 4096, batch: int = 1) -> str:
         """Compile the fast regions for ``target_tokens`` (4,096: 1024x1024) at ``batch`` now, so
-        the first request of that size pays no compile. Runs one block on zeros, no capture, no
-        prefix (compiled code is keyed by batch and target shape only). Returns the log's words."""
+        the first request of that size pays no compile. Runs the fast step itself, uncaptured, on
+        zeros laid out as a request's static buffers with a 16-token prefix (compiled code is
+        keyed by batch and target shape, never by the prefix). Returns the log's words."""
         tf = self.transformer
         device = next(tf.parameters()).device
-        if device.type != "cuda":
+        if device.type != "cuda" and self.require_cuda:
             return "fast step not pre-compiled: not CUDA"
         start = time.perf_counter()
         fast = self._fast_for(device, torch.ones(1, dtype=torch.bool, device=device))
         if fast is None or not fast.compile:
             return "fast step not pre-compiled: " + (
                 "compile off" if fast is not None else self._fast.describe())
-        dim = tf.img_in.out_features
-        block = tf.transformer_blocks[0].attn
-        head_dim = block.inner_dim // block.heads
-        dtype = tf.img_in.weight.dtype
+        attn = tf.transformer_blocks[0].attn
+        head_dim, dtype, prefix = attn.inner_dim // attn.heads, tf.img_in.weight.dtype, 16
         try:
             # vLLM-Omni runs requests under inference_mode: compile under it too (Dynamo guards
             # on the grad mode), so the first request reuses this code.
             with torch.inference_mode():
-                kv = fast_step.KVBuffers(1, batch, 16, target_tokens, block.heads, head_dim,
-                                         dtype=dtype, device=device)
-                fast.blocks.prepare(kv)
-                hidden = torch.zeros(batch, target_tokens, dim, dtype=dtype, device=device)
-                modulation = torch.zeros(batch + 1, 4 * dim, dtype=dtype, device=device)
-                rotary = torch.zeros(target_tokens, head_dim // 2, 2, device=device)
-                fast.blocks.block(0, hidden, modulation, rotary, kv)
-            torch.cuda.synchronize(device)
+                with torch.inference_mode(False):  # as prefix_graph allocates its buffers
+                    kv = [tuple(torch.zeros(batch, prefix + target_tokens, attn.heads, head_dim,
+                                            dtype=dtype, device=device) for _ in range(2))
+                          for _ in tf.transformer_blocks]
+                    bufs = StaticBuffers(
+                        prefix=[(k[:, :prefix], v[:, :prefix]) for k, v in kv],
+                        request={"rotary": torch.zeros(target_tokens, head_dim // 2,
+                                                       dtype=torch.complex64, device=device),
+                                 "target_mask": torch.ones(target_tokens, dtype=torch.bool,
+                                                           device=device)},
+                        step={"latents": torch.zeros(batch, target_tokens, tf.config.in_channels,
+                                                     dtype=dtype, device=device),
+                              "timestep": torch.zeros(batch, dtype=dtype, device=device)},
+                        kv=kv)
+                self._fast_step(bufs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         except fast_step.CompileFailed as exc:
             self._fast = exc.reason
             stats.degraded(MODEL, FAST_NOT_HERE.because(exc.reason.describe()))
             return f"fast step compile failed ({exc.reason.describe()}): exact step"
+        finally:
+            kv = bufs = None
         return (f"fast step compiled for {target_tokens} target tokens x batch {batch} in "
                 f"{time.perf_counter() - start:.1f} s ({fast.name})")
 
