@@ -3,6 +3,10 @@
 import pytest
 
 from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.hooks import MODEL_KEYS
+
+ALL = set(MODEL_KEYS)
+LIST = "comma list of " + ", ".join(MODEL_KEYS)
 
 
 def test_defaults_leave_the_plugin_off():
@@ -16,7 +20,7 @@ def test_defaults_leave_the_plugin_off():
 
 @pytest.mark.parametrize("raw,models", [
     ("0", set()), ("", set()), ("off", set()),
-    ("1", {"sensenova_u1", "qwen_image_21"}), ("all", {"sensenova_u1", "qwen_image_21"}),
+    ("1", ALL), ("all", ALL),
     ("sensenova_u1", {"sensenova_u1"}), ("qwen_image_21", {"qwen_image_21"}),
     (" sensenova_u1 , qwen_image_21 ", {"sensenova_u1", "qwen_image_21"}),
 ])
@@ -25,10 +29,10 @@ def test_enable_variable_accepts_documented_values(raw, models):
 
 
 @pytest.mark.parametrize("var,raw,accepted", [
-    ("VLLM_OMNI_GRAPHDECODE", "2", "comma list of sensenova_u1, qwen_image_21"),
-    ("VLLM_OMNI_GRAPHDECODE", "sensenova", "comma list of sensenova_u1, qwen_image_21"),
-    ("VLLM_OMNI_GRAPHDECODE", "sensenova_u1,flux", "comma list of sensenova_u1, qwen_image_21"),
-    ("VLLM_OMNI_GRAPHDECODE", ",", "comma list of sensenova_u1, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE", "2", LIST),
+    ("VLLM_OMNI_GRAPHDECODE", "sensenova", LIST),
+    ("VLLM_OMNI_GRAPHDECODE", "sensenova_u1,flux", LIST),
+    ("VLLM_OMNI_GRAPHDECODE", ",", LIST),
     ("VLLM_OMNI_GRAPHDECODE_VERIFY", "maybe", "1/true/yes/on or 0/false/no/off"),
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE", "2", "1/true/yes/on or 0/false/no/off"),
     ("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "4", "auto, 2, 3"),
