@@ -277,6 +277,10 @@ class ARSessions:
             stats.count(self.model, "decode_waits")
             logger.debug("graphdecode: %s request waited %.3f s for the paged decode", self.model,
                          time.perf_counter() - start)
+            if self.capture_failed is not None:  # the request it waited for found out
+                self.lock.release()
+                stats.fallback(self.model, CAPTURE_FAILED.because(self.capture_failed))
+                return None
         try:
             per_request = self.per_request()
             if self.decoder is None:
