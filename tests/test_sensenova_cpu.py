@@ -32,7 +32,10 @@ def _cfg(**env):
     values = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
               "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
               "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "32",
-              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover"}
+              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+              # These tests compare every step's logits: one launch per token returns them.
+              # Multi-token launches: tests/test_token_loop.py.
+              "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": "1"}
     values.update(env)
     return config.parse(values)
 

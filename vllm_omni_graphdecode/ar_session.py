@@ -38,6 +38,7 @@ from . import stats
 from .cuda_graphs import CaptureFailed, is_oom
 from .paged_decode import DecodeGraphRunner, PagedKVCache
 from .reasons import Reason
+from .token_loop import Lookahead, TokenProgram
 
 logger = stats.logger
 
@@ -92,15 +93,43 @@ def dynamic_cache_reason(cache, kernel) -> Reason | None:
 class _Tier:
     def __init__(self, decoder: "PagedDecoder", length: int, dtype):
         m = decoder.model
+        self.decoder = decoder
         self.cache = PagedKVCache(m.num_layers, m.kv_heads, m.head_dim, dtype=dtype,
                                   device=m.device, buckets=decoder.buckets, kernel=decoder.kernel,
                                   length=length, writer=m.writer)
-        self.runner = DecodeGraphRunner(lambda: m.forward(self.cache), self.cache,
-                                        model=decoder.name, graphs=decoder.graphs,
-                                        verify=decoder.verify, pool=decoder.pool)
+        self.runner = DecodeGraphRunner(self.step, self.cache, model=decoder.name,
+                                        graphs=decoder.graphs, verify=decoder.verify,
+                                        pool=decoder.pool)
+        self.programs: dict[int, TokenProgram] = {}
+
+    def step(self) -> torch.Tensor:
+        self.cache.begin_step()
+        return self.decoder.model.forward(self.cache)
+
+    def program(self, k: int) -> TokenProgram:
+        """The ``k``-token program over this tier's cache (``token_loop``)."""
+        program = self.programs.get(k)
+        if program is None:
+            d = self.decoder
+            program = TokenProgram(d.model, self.cache, k, self.step, name=d.name,
+                                   graphs=d.graphs, verify=d.verify, pool=d.pool)
+            self.programs[k] = program
+        return program
+
+    @property
+    def runners(self) -> list[DecodeGraphRunner]:
+        return [self.runner] + [p.runner for p in self.programs.values()]
+
+    def drop_graphs(self) -> None:
+        for runner in self.runners:
+            runner.drop_graphs()
+
+    def reset(self) -> None:
+        for runner in self.runners:
+            runner.reset()
 
     def release(self) -> None:
-        self.runner.drop_graphs()
+        self.drop_graphs()
         self.cache.release()
 
 
@@ -114,7 +143,7 @@ class PagedDecoder:
     """
 
     def __init__(self, model: StepModel, *, name: str, kernel, buckets: Sequence[int],
-                 graphs: bool = True, verify: bool = False, pool=None):
+                 graphs: bool = True, verify: bool = False, pool=None, tokens_per_launch: int = 1):
         self.model = model
         self.name = name
         self.kernel = kernel
@@ -122,6 +151,7 @@ class PagedDecoder:
         self.graphs = graphs
         self.verify = verify
         self.pool = pool
+        self.tokens_per_launch = tokens_per_launch
         self.pinned: _Tier | None = None
         self.overflow: _Tier | None = None
         self.current: _Tier | None = None
@@ -136,7 +166,7 @@ class PagedDecoder:
 
     @property
     def num_graphs(self) -> int:
-        return sum(t.runner.num_graphs for t in self.tiers)
+        return sum(r.num_graphs for t in self.tiers for r in t.runners)
 
     @property
     def nbytes(self) -> int:
@@ -176,21 +206,31 @@ class PagedDecoder:
         tier = self._pinned(need, dtype)
         if need > tier.cache.capacity:
             tier = self._overflow(need, dtype, pinned_may_go=True)
-        tier.runner.reset()
+        tier.reset()
         self.current = tier
         return tier.cache.load(past_key_values)
+
+    def room(self, n: int) -> _Tier:
+        """Make the current tier hold ``n`` tokens, moving to the overflow tier (the valid tokens
+        with it) when the pinned one is too small. Returns the current tier."""
+        tier = self.current
+        if n > tier.cache.capacity and tier is self.pinned:
+            over = self._overflow(n, tier.cache.dtype, pinned_may_go=False)
+            if over is not tier:
+                over.cache.copy_from(tier.cache, tier.cache.length)
+                over.reset()
+                self.current = tier = over
+        return tier
+
+    def lookahead(self, *, stops=(), limit: int | None = None) -> Lookahead:
+        """A greedy loop's token server over this decoder (``token_loop``)."""
+        return Lookahead(self, self.tokens_per_launch, stops=stops, limit=limit)
 
     @torch.inference_mode()
     def step(self, token, position: int) -> torch.Tensor:
         """Decode ``token`` (a (1,) long tensor or an int) at ``position``."""
-        tier = self.current
-        n = tier.cache.length + 1
-        if n > tier.cache.capacity and tier is self.pinned:
-            over = self._overflow(n, tier.cache.dtype, pinned_may_go=False)
-            if over is not tier:
-                over.cache.copy_from(tier.cache, n - 1)
-                over.runner.reset()
-                self.current = tier = over
+        n = self.current.cache.length + 1
+        tier = self.room(n)
         tier.cache.reserve(n)
         tier.cache.set_length(n)
         try:
@@ -212,15 +252,21 @@ class PagedDecoder:
         tier.cache.reserve(max(buckets))
         tier.cache.set_length(1)  # step 0 writes slot 0; the next load() overwrites it
         seconds = 0.0
+        k = self.tokens_per_launch
         for bucket in sorted(buckets):
             tier.cache.reserve(bucket)
             seconds += tier.runner.capture()
+            if k > 1 and bucket >= k:
+                # A launch starting at the first token writes rows 0..k-1: harmless, as above.
+                program = tier.program(k)
+                program.start_length.fill_(1)
+                seconds += program.runner.capture()
         self.current = tier
         return seconds
 
     def drop_graphs(self) -> None:
         for tier in self.tiers:
-            tier.runner.drop_graphs()
+            tier.drop_graphs()
 
     def release(self) -> None:
         """Drop every graph and buffer."""
@@ -371,6 +417,13 @@ class Session:
         self.thread = threading.get_ident()
         self.live = True
         self.steps = 0
+        self.ahead: Lookahead | None = None
+
+    def greedy(self, *, stops=(), limit: int | None = None) -> None:
+        """The loop picks each next token by argmax: serve it from multi-token launches
+        (``decode``). ``stops``/``limit``: the loop's stop tokens and token limit, when known."""
+        if self.decoder.tokens_per_launch > 1:
+            self.ahead = self.decoder.lookahead(stops=stops, limit=limit)
 
     @property
     def decoder(self) -> PagedDecoder:
@@ -382,8 +435,15 @@ class Session:
     def step(self, token, position: int):
         """Logits for ``token``, or None after handing the request back to the eager path (the
         cache then holds every token decoded so far)."""
+        return self._run(self.decoder.step, token, position)
+
+    def decode(self, token: int, position: int) -> int | None:
+        """The greedy token after ``token`` (``greedy`` first), or None after a hand-back."""
+        return self._run(self.ahead.next, token, position)
+
+    def _run(self, fn, token, position):
         try:
-            logits = self.decoder.step(token, position)
+            out = fn(token, position)
         except Exception as exc:
             if is_oom(exc):  # growing the buffers, or allocating inside a capture
                 length = self.decoder.cache.length
@@ -395,10 +455,17 @@ class Session:
             self.hand_back(CAPTURE_FAILED.because(self.owner.capture_failed))
             return None
         self.steps += 1
-        return logits
+        return out
+
+    def _settle(self) -> None:
+        """Nothing runs ahead any more (the valid length already excludes it)."""
+        if self.ahead is not None:
+            self.ahead.drain()
+            self.ahead = None
 
     def hand_back(self, reason: Reason) -> None:
         """Write the decoded K/V back and let the eager path take over this request."""
+        self._settle()
         self.decoder.write_back(self.cache)
         self.live = False
         stats.fallback(self.owner.model, reason)
@@ -410,12 +477,14 @@ class Session:
 
     def finish(self) -> None:
         """The cache is about to be read: write the decoded K/V back and stop serving it."""
+        self._settle()
         if self.live and self.steps:
             self.decoder.write_back(self.cache)
         self.live = False
 
     def close(self) -> None:
         try:
+            self._settle()
             if self.finish_on_close:
                 self.finish()
             self.live = False

@@ -18,6 +18,10 @@ ENABLE_VAR = "VLLM_OMNI_GRAPHDECODE"
 BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_BUCKETS"
 PRECAPTURE_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE"
 PRECAPTURE_BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS"
+TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
+SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
+# A launch records this many decode steps in one graph: capture time and graph memory grow with it.
+MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
 # request (1024 tokens from a prompt of a few hundred) passes through.
 PRECAPTURE_UP_TO = 2048
@@ -76,6 +80,17 @@ def _positive_int(var: str, raw: str) -> int:
     return value
 
 
+def _tokens_per_launch(var: str, raw: str) -> int:
+    accepted = f"an integer from 1 to {MAX_TOKENS_PER_LAUNCH}"
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise _bad(var, raw, accepted) from None
+    if not 1 <= value <= MAX_TOKENS_PER_LAUNCH:
+        raise _bad(var, raw, accepted)
+    return value
+
+
 def _int_list_or_unset(var: str, raw: str) -> tuple[int, ...]:
     return () if raw.strip() == "" else _int_list(var, raw)
 
@@ -125,6 +140,15 @@ SETTINGS: tuple[Setting, ...] = (
             "sensenova_intree",
             "vllm-omni >= 0.30 ships its own SenseNova-U1 paged decode: defer leaves it in charge; "
             "takeover replaces its decode context with this plugin's."),
+    Setting(TOKENS_PER_LAUNCH_VAR, "8", _tokens_per_launch, "tokens_per_launch",
+            "SenseNova-U1 greedy think/text decode: tokens decoded per graph launch, each next "
+            "token chosen on the device, the loop's stop tokens and limit checked once per launch "
+            "(tokens past a stop are discarded with their K/V). 1: one launch and one host sync "
+            "per token."),
+    Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "exact"), "sensenova_step",
+            "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
+            "add and SiLU through vllm's fused kernels, rope tables once per step; rounding order "
+            "differs slightly) or exact (the model's own modules, as its eager step computes)."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),
@@ -160,6 +184,8 @@ class Config:
     max_entries: int
     qwen_mode: str = "fast"
     stats_file: str = ""
+    tokens_per_launch: int = 8
+    sensenova_step: str = "fused"
 
     @property
     def enabled(self) -> bool:

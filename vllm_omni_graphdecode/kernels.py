@@ -79,12 +79,16 @@ class Kernel:
     fa_version: int | None
     fn: Callable = dataclasses.field(repr=False)
     extra: tuple = ()  # extra keyword arguments, as (name, value) pairs
+    # schedule(q, k_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k) -> the kernel's per-step
+    # plan, passed back as ``scheduler_metadata`` (FA3: ``get_scheduler_metadata``), or None
+    # when the kernel plans inside every call.
+    schedule: Callable | None = dataclasses.field(default=None, repr=False)
 
     def __call__(self, q, k_cache, v_cache, *, cu_seqlens_q, seqused_k, block_table,
-                 max_seqlen_k, softmax_scale):
+                 max_seqlen_k, softmax_scale, **more):
         return self.fn(q, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
                        max_seqlen_k=max_seqlen_k, seqused_k=seqused_k, block_table=block_table,
-                       softmax_scale=softmax_scale, causal=False, **dict(self.extra))
+                       softmax_scale=softmax_scale, causal=False, **dict(self.extra), **more)
 
 
 def reference_paged_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k,
@@ -180,8 +184,32 @@ def select_kernel(device, head_dim: int, fa_version_setting: str = "auto") -> Ke
         if version is None:
             return NO_FA_VERSION.because("; ".join(f"FA{v}: {supported(v)[1]}" for v in order))
     extra = (("fa_version", version),) if has_version_arg else ()
+    schedule = _fa3_schedule() if version == 3 and "scheduler_metadata" in params else None
     return Kernel(name=f"FA{version} paged varlen (vllm.vllm_flash_attn)", fa_version=version,
-                  fn=fn, extra=extra)
+                  fn=fn, extra=extra, schedule=schedule)
+
+
+def _fa3_schedule() -> Callable | None:
+    """FA3's per-step plan as ``Kernel.schedule``, or None where the build lacks it.
+
+    The paged call otherwise runs FA3's scheduler kernel before every layer's attention (42 a
+    token for SenseNova-U1), each planning the same split from the same ``seqused_k``. The plan
+    is made with exactly the arguments the call would use itself (batch 1, one query, no
+    causal mask, the cache's page size), so the attention output is the same.
+    """
+    try:
+        from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+    except ImportError:
+        return None
+
+    def schedule(q, k_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k):
+        return get_scheduler_metadata(
+            batch_size=1, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_heads_q=q.shape[1],
+            num_heads_kv=k_cache.shape[2], headdim=q.shape[2], cache_seqlens=seqused_k,
+            qkv_dtype=q.dtype, cu_seqlens_q=cu_seqlens_q, page_size=k_cache.shape[1],
+            causal=False)
+
+    return schedule
 
 
 def describe(fa_version_setting: str | None = None, head_dim: int = 128) -> str:

@@ -104,6 +104,7 @@ class PagedKVCache:
         # The write slot is a tensor, not a Python int: under capture a Python index is baked in,
         # and every replay would write the same slot (right eagerly, silently wrong in a graph).
         self.slot = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._schedule = None  # the kernel's schedule for the current step (attend)
         self.reserve(length)
 
     @property
@@ -179,6 +180,27 @@ class PagedKVCache:
         self.seqused.fill_(n)
         self.slot.fill_(max(n - 1, 0))
 
+    def keep(self, n: int) -> None:
+        """``n`` tokens are valid: host bookkeeping only. After a multi-token launch
+        (``token_loop``) the device state ran ahead; the next launch or ``set_length`` rewrites
+        it, and rows past ``n`` are never read (``write_back`` stops at ``n``)."""
+        self._length = n
+
+    def load_length(self, n: torch.Tensor) -> None:
+        """Device-side ``set_length``: ``n`` a (1,) int device tensor (recorded in a graph)."""
+        self.seqused.copy_(n)
+        self.slot.copy_(n - 1)
+
+    def advance(self) -> None:
+        """Device-side: one more valid token, written at the next slot (recorded in a graph)."""
+        self.seqused.add_(1)
+        self.slot.add_(1)
+
+    def begin_step(self) -> None:
+        """A decode step starts: the kernel's per-step schedule is computed again, once, by the
+        first layer that attends (``attend``)."""
+        self._schedule = None
+
     def copy_from(self, other: "PagedKVCache", n: int) -> None:
         """Take the first ``n`` tokens of ``other`` (same model, this one at least as large)."""
         self.reserve(n)
@@ -224,10 +246,19 @@ class PagedKVCache:
             _flat(self.v[layer_idx]).index_copy_(0, self.slot, value[0, :, 0].unsqueeze(0))
         heads = query.shape[1]
         q = query[0].transpose(0, 1).reshape(1, heads, self.head_dim)
+        schedule = getattr(self.kernel, "schedule", None)
+        extra = {}
+        if schedule is not None:
+            # FA3 plans its split of the keys from seqused_k in a kernel of its own before every
+            # call; the plan is the same for every layer of a step, so it is made once.
+            if self._schedule is None:
+                self._schedule = schedule(q, self.k[layer_idx], cu_seqlens_q=self.cu_seqlens_q,
+                                          seqused_k=self.seqused, max_seqlen_k=self.bucket)
+            extra["scheduler_metadata"] = self._schedule
         return self.kernel(q, self.k[layer_idx], self.v[layer_idx],
                            cu_seqlens_q=self.cu_seqlens_q, seqused_k=self.seqused,
                            block_table=self.block_table(), max_seqlen_k=self.bucket,
-                           softmax_scale=softmax_scale)
+                           softmax_scale=softmax_scale, **extra)
 
     def release(self) -> None:
         """Drop the buffers. Any graph captured against them is stale from now on."""

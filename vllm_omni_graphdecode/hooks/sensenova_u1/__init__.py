@@ -12,8 +12,8 @@ Files, one concern each:
                    signature checked before patching
     rules.py       the gate: why a request runs eagerly (TP, offload, compile, KV quant, hooks)
     step.py        the one-token step over paged K/V (the attention branch, the static inputs)
-    fused_step.py  0.24-0.28 only: rope once per step, vllm's fused norms and SiLU (delete with
-                   the backport layout)
+    fused_step.py  vllm's fused norms, residual add and SiLU; on 0.24-0.28 also rope once per
+                   step (delete that part with the backport layout)
     wiring.py      install(): the pipeline methods patched, sleep release, pre-capture
 
 The session mechanism (one sequence at a time, hand-backs, LoRA, release) is model-agnostic:
@@ -23,14 +23,18 @@ vllm-omni 0.30 ships its own paged decode (``_decode_context``). By default this
 it and wires nothing; with ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover`` the in-tree
 context is replaced by one that returns None (so it cannot run too) and this hook's path runs.
 
-Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
-``replay``, ``paged_eager_step`` (paged step without a graph), ``eager_step`` (a step of the
-pipeline's own decode), ``lora_request`` (graphs captured for one request only), ``verified`` /
-``verify_mismatch``, and each fallback by its reason.
+Greedy loops (think always; text unless it samples) take several tokens per graph launch, the
+next token chosen on the device (``vllm_omni_graphdecode.token_loop``); a sampling text loop
+takes one launch per token and samples on the returned logits itself.
 
-Scope: batch 1, greedy or sampled (the loops' own sampling runs on the returned logits), TP 1.
-Delete ``fused_step.py`` and the backport layout when vllm-omni < 0.30 is no longer supported, and
-the takeover half when the in-tree path selects FA3 on Hopper itself.
+Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
+``replay``, ``token_launch`` (multi-token launches), ``host_picked_token`` (tokens near a bucket's
+end, one launch each), ``sampled_request``, ``paged_eager_step`` (paged step without a graph),
+``eager_step`` (a step of the pipeline's own decode), ``lora_request`` (graphs captured for one
+request only), ``verified`` / ``verify_mismatch``, and each fallback by its reason.
+
+Scope: batch 1, greedy or sampled, TP 1. Delete the backport layout and the rope-once part of
+``fused_step.py`` when vllm-omni < 0.30 is no longer supported.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The fused one-token step for vllm-omni 0.24-0.28's SenseNova-U1 code (the "backport" layout).
+"""The fused one-token step of SenseNova-U1's decode, for both code layouts (``layouts.py``).
 
-Delete this file (and the layout row in ``layouts.py``) when vllm-omni < 0.30 is no longer
-supported.
+Delete the rope-once part (``rope_kernel``) with the backport layout when vllm-omni < 0.30 is no
+longer supported: 0.30's model computes its rope tables once per forward itself.
 
 Why: at batch 1 a SenseNova-U1 decoder layer's four GEMVs read ~380 MB (~90 us at the H200's
 bandwidth); around them the 0.24-0.28 model code launches ~50 small kernels (three rope-table
@@ -9,10 +9,15 @@ computations of ~10 kernels each, two RMSNorms of 8, SiLU-and-multiply, residual
 each even inside a CUDA graph: about half of a graphed step. Measured on the H200 (README,
 Performance): 9.9 -> 6.6 ms/token at context 2048, ~2,500 -> 676 kernels a token.
 
-What it does: the rope tables are computed once per step for all 42 layers (bit-identical: every
-layer's tables are the same function of the same index, checked at construction) and fed to
-vllm-omni's own qk-norm + rope kernel; each decoder layer's norms and SiLU run through vllm's fused
-kernels (``layer_ops.LayerOps``; same rounding points, fp32 sum order differs). Everything else
+What it does: on 0.24-0.28 the rope tables are computed once per step for all 42 layers
+(bit-identical: every layer's tables are the same function of the same index, checked at
+construction) and fed to vllm-omni's own qk-norm + rope kernel; on every layout each decoder
+layer's norms, residual add and SiLU run through vllm's fused kernels (``layer_ops.LayerOps``).
+Against 0.24-0.28's eager code that keeps the rounding points (the fp32 sum order differs);
+0.30's ``F.rms_norm`` rounds once, after the weight multiply, so there the fused step rounds
+differently: ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=exact`` runs the model's own modules instead.
+0.30's in-tree decode measured 7.05 ms/token at context 2048 on the H200; its model code runs
+~12 kernels per layer around the GEMVs that the fused step does in 3. Everything else
 (the projections, LoRA wrappers included, attention) is the model's own modules. Each part has its
 own availability check; ``Fusion.reasons`` says why a part is off.
 """
@@ -61,7 +66,7 @@ class Fusion:
         if torch.device(device).type != "cuda":
             return cls(reasons=[f"not CUDA ({device})"])
         fusion = cls()
-        rope = _rope_once_kernel(language_model)
+        rope = _rope_once_kernel(language_model) if layout.rope_per_layer else None
         if isinstance(rope, str):
             fusion.reasons.append(f"rope per layer: {rope}")
         else:
@@ -77,15 +82,18 @@ class Fusion:
         return fusion
 
     @classmethod
-    def reference(cls, language_model) -> "Fusion":
+    def reference(cls, language_model, layout: layouts.Layout | None = None) -> "Fusion":
         """The fused step's structure with plain-torch kernels, on any device (tests, CPU)."""
-        why = _rope_once_kernel(language_model, kernel=reference_qk_norm_rope)
-        if isinstance(why, str):
-            raise HookRefused(NOT_FUSABLE.because(f"rope once per step: {why}"))
+        layout = layout or layouts.detect_layout(language_model)
+        rope = None
+        if layout.rope_per_layer:
+            rope = _rope_once_kernel(language_model, kernel=reference_qk_norm_rope)
+            if isinstance(rope, str):
+                raise HookRefused(NOT_FUSABLE.because(f"rope once per step: {rope}"))
         why = _layers_not_fusable(language_model)
         if why is not None:
             raise HookRefused(NOT_FUSABLE.because(f"fused norms: {why}"))
-        return cls(reference_qk_norm_rope, layer_ops.REFERENCE_LAYER_OPS)
+        return cls(rope, layer_ops.REFERENCE_LAYER_OPS)
 
     def describe(self) -> list[str]:
         parts = []

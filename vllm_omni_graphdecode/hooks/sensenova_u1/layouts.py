@@ -3,7 +3,8 @@
 A layout is recognised from the code itself (``_project_and_rope``'s second parameter and whether
 the pipeline has vllm-omni's own paged decode), never from a version string, and everything the
 hook patches or calls is checked (``check_model``, ``PIPELINE_METHODS``) before anything is
-patched. Dropping vllm-omni 0.24-0.28 means deleting the "backport" row and ``fused_step.py``.
+patched. Dropping vllm-omni 0.24-0.28 means deleting the "backport" row and the rope-once part of
+``fused_step.py``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ class Layout:
     rope_param: str
     # the pipeline has vllm-omni's own paged decode (_decode_context, release_captured_graphs)
     in_tree: bool
-    # the decode step computes the rope tables once for all layers and runs the decoder layer's
-    # norms and SiLU through fused kernels (fused_step.py). The in-tree layout already computes
-    # rope once per forward and uses F.rms_norm, whose rounding differs from vllm's ops.
+    # the fused decode step (fused_step.py) runs the decoder layer's norms, residual add and SiLU
+    # through vllm's fused kernels. 0.30's F.rms_norm rounds once after the weight multiply,
+    # vllm's kernel before it (as 0.24-0.28's cast chain does), so there it changes rounding.
     fused_step: bool
+    # the model computes the rope tables in every layer; the fused step computes them once per
+    # step and feeds vllm-omni's qk-norm + rope kernel. 0.30's model already does it once.
+    rope_per_layer: bool
 
     def rope_input(self, indexes, kwargs):
         return indexes if self.rope_param == "indexes" else kwargs[self.rope_param]
@@ -40,9 +44,9 @@ class Layout:
 
 LAYOUTS = (
     Layout("backport", "vllm-omni 0.24, 0.26, 0.28", rope_param="indexes", in_tree=False,
-           fused_step=True),
+           fused_step=True, rope_per_layer=True),
     Layout("in-tree", "vllm-omni 0.30", rope_param="position_embeddings", in_tree=True,
-           fused_step=False),
+           fused_step=True, rope_per_layer=False),
 )
 
 # Leading parameters of everything patched or called, identical across LAYOUTS (0.30's _ar_step

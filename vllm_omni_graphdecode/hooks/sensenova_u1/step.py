@@ -79,6 +79,16 @@ class Step:
             self.input_ids.fill_(int(token))
         self.indexes[0].fill_(position)
 
+    def load_inputs(self, token: torch.Tensor, position: torch.Tensor) -> None:
+        """Device-side ``set_inputs`` from (1,) long device tensors (recorded in a graph)."""
+        self.input_ids.view(1).copy_(token)
+        self.indexes[0].copy_(position)
+
+    def advance(self, token: torch.Tensor) -> None:
+        """Device-side: ``token`` is the next step's input, one position later."""
+        self.input_ids.view(1).copy_(token)
+        self.indexes[0].add_(1)
+
     def forward(self, cache) -> torch.Tensor:
         return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
                        use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
@@ -95,12 +105,12 @@ def select_kv_writer(device, dtype) -> "layer_ops.KVWriter | Reason":
 
 def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verify: bool = False,
                   pool=None, layout: layouts.Layout | None = None, fusion="auto",
-                  kv_writer="auto") -> PagedDecoder:
+                  kv_writer="auto", tokens_per_launch: int = 1) -> PagedDecoder:
     """A standalone paged decoder for ``language_model`` (see the module docstring).
 
     ``fusion`` / ``kv_writer``: "auto" selects what this device and layout support; None runs the
-    model's own step; or pass one. Patches the model's attention (idempotent, inert without
-    ``PAGED_KWARG``).
+    model's own step; or pass one. ``tokens_per_launch``: for ``PagedDecoder.lookahead``.
+    Patches the model's attention (idempotent, inert without ``PAGED_KWARG``).
     """
     layout = layout or layouts.detect_layout(language_model)
     param = next(language_model.parameters())
@@ -114,7 +124,7 @@ def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verif
         kv_writer = None if isinstance(kv_writer, Reason) else kv_writer
     step = Step(language_model, layout, fusion=fusion, kv_writer=kv_writer)
     return PagedDecoder(step, name=MODEL, kernel=kernel, buckets=buckets, graphs=graphs,
-                        verify=verify, pool=pool)
+                        verify=verify, pool=pool, tokens_per_launch=tokens_per_launch)
 
 
 def patch_attention(language_model, layout: layouts.Layout) -> None:

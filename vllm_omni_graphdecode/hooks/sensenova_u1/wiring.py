@@ -17,6 +17,7 @@ At load (``install``): every method patched or called is checked first (``layout
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -49,7 +50,8 @@ class Wiring:
     def _decoder(self) -> PagedDecoder:
         step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
         return PagedDecoder(step, name=MODEL, kernel=self.kernel, buckets=self.cfg.buckets,
-                            graphs=self.graphs, verify=self.cfg.verify)
+                            graphs=self.graphs, verify=self.cfg.verify,
+                            tokens_per_launch=self.cfg.tokens_per_launch)
 
     @property
     def decoder(self) -> PagedDecoder | None:
@@ -105,7 +107,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         kernel = kernels.select_kernel(device, attn.head_dim, cfg.fa_version)
     if graphs is None:
         graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
-    fusion, writer, off = _step_parts(lm, layout, device, dtype)
+    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step)
     if off and isinstance(kernel, kernels.Kernel):
         from .fused_step import UNFUSED
 
@@ -146,11 +148,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
             f"{wiring.precapture()}")
 
 
-def _step_parts(lm, layout, device, dtype):
+def _step_parts(lm, layout, device, dtype, step: str = "fused"):
     """(fusion or None, K/V writer or None, why each missing part is off)."""
     off: list[str] = []
     fusion = None
-    if layout.fused_step:
+    if layout.fused_step and step == "fused":
         from .fused_step import Fusion
 
         fusion = Fusion.select(lm, layout, device, dtype)
@@ -164,11 +166,18 @@ def _step_parts(lm, layout, device, dtype):
 
 
 def _wrap_loop(wiring: Wiring, original, think: bool):
+    try:
+        signature = inspect.signature(original)
+    except (TypeError, ValueError):
+        signature = None
+
     @functools.wraps(original)
     def decode_loop(*args, **kwargs):
         cache = args[1] if len(args) > 1 else kwargs.get("past_key_values")
         session = wiring.sessions.open(cache, finish_on_close=think)
         try:
+            if session is not None:
+                _serve_greedy(wiring.pipeline, session, signature, args, kwargs, think)
             return original(*args, **kwargs)
         finally:
             if session is not None:
@@ -178,11 +187,54 @@ def _wrap_loop(wiring: Wiring, original, think: bool):
     return decode_loop
 
 
+# The loops' own stop tokens (both loops: "<|im_end|>"; the think loop also feeds "</think>" and
+# stops), and their token limits, as vllm-omni 0.24-0.30 name them.
+END, THINK_END = "<|im_end|>", "</think>"
+LIMIT_PARAM = {True: "max_think_tokens", False: "max_tokens"}
+
+
+def _serve_greedy(pipeline, session, signature, args, kwargs, think: bool) -> None:
+    """Serve this loop from multi-token launches when it picks tokens by argmax: the think loop
+    always does; the text loop unless it samples (``do_sample`` with a temperature > 0, which
+    stays one launch per token). Its stop tokens and limit let a launch skip what is not needed."""
+    if session.decoder.tokens_per_launch <= 1:
+        return
+    try:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        params = bound.arguments
+    except (AttributeError, TypeError):
+        params = None
+    if params is None:
+        if not think:
+            return  # cannot tell whether this text loop samples
+        params = {}
+    if not think and params.get("do_sample") and (params.get("temperature") or 0) > 0:
+        stats.count(MODEL, "sampled_request")
+        return
+    stops = []
+    for name in (END, THINK_END) if think else (END,):
+        try:
+            token = pipeline.tokenizer.convert_tokens_to_ids(name)
+        except Exception:  # a tokenizer without it: the loops would fail first
+            continue
+        if isinstance(token, int):
+            stops.append(token)
+    limit = params.get(LIMIT_PARAM[think])
+    session.greedy(stops=stops, limit=limit if isinstance(limit, int) else None)
+
+
 def _wrap_ar_step(wiring: Wiring, original, output_cls):
     @functools.wraps(original)
     def ar_step(next_token, t_idx, past_key_values, *args, **kwargs):
         session = wiring.sessions.session
-        if session is not None and session.serves(past_key_values):
+        if session is not None and session.serves(past_key_values) and session.ahead is not None:
+            token = session.decode(int(next_token), t_idx + 1)
+            if token is not None:
+                # The loop's argmax of these host logits is the token the device chose.
+                return output_cls(logits=session.ahead.logits(token),
+                                  past_key_values=past_key_values)
+        elif session is not None and session.serves(past_key_values):
             logits = session.step(next_token, t_idx + 1)
             if logits is not None:
                 # The caller reassigns its cache handle from this field; the paged tokens reach

@@ -1,0 +1,227 @@
+"""Multi-token launches (``token_loop``) under SenseNova-U1's real loops, on CPU.
+
+The model, the pipeline's think/text loops and the tokenizer are vllm-omni's own (tiny, random
+weights; see ``tests/test_sensenova_cpu.py``); the paged path runs with ``kernels.REFERENCE`` and
+no graphs, so a "launch" runs its k steps eagerly, but the bookkeeping is the production one:
+which token the device feeds next, what the host serves, what is kept, what is discarded.
+
+Buckets are 32,64 (tail 32): a 20-token prompt decoding 70 tokens crosses 32 -> 64 -> 96.
+Equality is against the unpatched pipeline (text, t_idx, the written-back cache) and against the
+plugin's one-launch-per-token path.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_omni_graphdecode import config, kernels, paged_decode, stats
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.token_loop import pick
+
+MODEL = hook.MODEL
+PROMPT = 20
+STEPS = 70
+
+
+def _cfg(k, **env):
+    values = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+              "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
+              "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "32",
+              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",  # 0.30: its own otherwise
+              "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)}
+    values.update(env)
+    return config.parse(values)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = st.build_tokenizer()
+    lm = st.build_lm(banned_ids=st.stop_ids(tok))
+    return SimpleNamespace(tok=tok, lm=lm, ids=st.prompt_ids(tok, PROMPT))
+
+
+def _pipeline(tiny, k, **env):
+    pipe = st.build_pipeline(tiny.lm, tiny.tok)
+    hook.install(pipe, _cfg(k, **env), None, kernel=kernels.REFERENCE, graphs=False)
+    return pipe
+
+
+def _same_think(got, want):
+    assert got[2] == want[2] and got[1] == want[1]
+    assert got[0].get_seq_length() == want[0].get_seq_length()
+    for a, b in zip(got[0].layers, want[0].layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(a.values, b.values, atol=1e-5, rtol=1e-4)
+
+
+def _think_ids(tiny, text):
+    return tiny.tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def eager(tiny):
+    pipe = st.build_pipeline(tiny.lm, tiny.tok)
+    return SimpleNamespace(think=st.run_think(pipe, tiny.ids, STEPS),
+                           text=st.run_text(pipe, tiny.ids, STEPS))
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_think_in_launches_equals_eager_across_buckets_and_tail(tiny, eager, k):
+    pipe = _pipeline(tiny, k)
+    _same_think(st.run_think(pipe, tiny.ids, STEPS), eager.think)
+    launches = stats.get(MODEL, "token_launch")
+    per_token = stats.get(MODEL, "host_picked_token")
+    # Every token came from a launch or, near a bucket's end, from a single step.
+    assert launches * k + per_token >= STEPS and 0 < per_token < 2 * k
+    assert launches <= STEPS // k + 3
+    assert stats.get(MODEL, "paged_eager_step") == launches + per_token  # a launch: one run
+    assert stats.get(MODEL, "eager_step") == 0 and stats.fallbacks(MODEL) == {}
+    dec = getattr(pipe, hook.STATE_ATTR).decoder
+    assert dec.current.cache.capacity == 96
+
+
+def test_text_in_launches_equals_eager_and_the_one_launch_per_token_path(tiny, eager):
+    assert st.run_text(_pipeline(tiny, 8), tiny.ids, STEPS) == eager.text
+    assert st.run_text(_pipeline(tiny, 1), tiny.ids, STEPS) == eager.text
+    assert stats.get(MODEL, "token_launch") > 0 and stats.fallbacks(MODEL) == {}
+
+
+@pytest.mark.parametrize("limit", [1, 5, 13])
+def test_a_limit_inside_a_launch_keeps_exactly_the_fed_tokens(tiny, limit):
+    want = st.run_think(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids, limit)
+    pipe = _pipeline(tiny, 8)
+    got = st.run_think(pipe, tiny.ids, limit)
+    _same_think(got, want)
+    appended = len(_think_ids(tiny, "\n\n<img>"))
+    assert got[0].get_seq_length() == PROMPT + limit + appended
+    # The limit is known: no launch was chained past it.
+    assert stats.get(MODEL, "token_launch") == -(-limit // 8)
+
+
+@pytest.mark.parametrize("stop", ["</think>", "<|im_end|>"])
+def test_a_stop_token_inside_a_launch_ends_the_loop_there(tiny, eager, stop, monkeypatch):
+    """The loop's stop token, made to be a think token first seen at index i >= 24 (the model
+    never emits the real ones): ``</think>`` is fed and then the loop stops, ``<|im_end|>`` is not
+    fed.
+
+    Launches with k = 8 from a 20-token prompt, buckets 32,64: tokens #1-8 in one launch, #9-12
+    one by one (the next launch would cross into the 64 bucket), then launches of #13-20,
+    #21-28, #29-36, ... each chained while the tokens just read hold no stop. The stop (token
+    #i+1) is among the next tokens of the launch that fed #i: launch 3 for i <= 28, else 4, and
+    none is chained after it.
+    """
+    think = _think_ids(tiny, eager.think[2])
+    i = next(j for j in range(24, len(think)) if think[j] not in think[:j])
+    if i > 35:
+        pytest.skip(f"first new think token at {i}: past the launches this test lays out")
+    target = think[i]
+    real = tiny.tok.convert_tokens_to_ids
+
+    def convert(name):
+        return target if name == stop else real(name)
+
+    monkeypatch.setattr(tiny.tok, "convert_tokens_to_ids", convert)
+    want = st.run_think(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids, STEPS)
+    fed = i + 1 if stop == "</think>" else i
+    assert len(_think_ids(tiny, want[2])) == fed
+    stats.reset()
+    got = st.run_think(_pipeline(tiny, 8), tiny.ids, STEPS)
+    _same_think(got, want)
+    assert stats.get(MODEL, "host_picked_token") == 4
+    assert stats.get(MODEL, "token_launch") == (3 if i <= 28 else 4)
+
+
+def test_a_loop_that_feeds_another_token_gets_what_the_per_token_path_gives(tiny):
+    """Through the decoder API: feed the device's tokens for a while, then another token; what
+    follows equals one-launch-per-token decoding of the same fed sequence."""
+    out, cache, t_idx = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
+    first = int(pick(out.logits))
+
+    def run(k, swap_at):
+        _, cache, _ = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
+        dec = hook.paged_decoder(tiny.lm, kernel=kernels.REFERENCE, buckets=(32, 64),
+                                 graphs=False, fusion=None, kv_writer=None, tokens_per_launch=k)
+        with torch.inference_mode():
+            dec.begin(cache)
+            ahead = dec.lookahead()
+            token, fed, got = first, [], []
+            for i in range(30):
+                if i == swap_at:
+                    token = (token + 7) % 90
+                fed.append(token)
+                token = ahead.next(token, t_idx + 1 + i)
+                got.append(token)
+            ahead.drain()
+            dec.write_back(cache)
+        return fed, got, cache
+
+    fed4, got4, cache4 = run(4, swap_at=6)
+    fed1, got1, cache1 = run(1, swap_at=6)
+    assert fed4 == fed1 and got4 == got1
+    assert cache4.get_seq_length() == cache1.get_seq_length() == PROMPT + 30
+    for a, b in zip(cache4.layers, cache1.layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+
+
+def test_sampled_text_runs_one_launch_per_token_and_samples_as_the_loop_does(tiny):
+    out, cache, t_idx = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
+
+    def sample(pipe):
+        _, cache, t_idx = st.prefill(pipe, tiny.ids)
+        torch.manual_seed(123)
+        with torch.inference_mode():
+            return pipe._generate_text(out.logits, cache, t_idx, max_tokens=20, do_sample=True,
+                                       temperature=0.7)
+
+    want = sample(st.build_pipeline(tiny.lm, tiny.tok))
+    assert sample(_pipeline(tiny, 8)) == want
+    assert stats.get(MODEL, "sampled_request") == 1 and stats.get(MODEL, "token_launch") == 0
+
+
+def test_out_of_memory_growing_inside_launches_hands_back_every_fed_token(tiny, eager,
+                                                                         monkeypatch):
+    """The overflow tier cannot be allocated when the request leaves the first bucket: the
+    request goes on eagerly from exactly the tokens fed so far."""
+    real = paged_decode._alloc
+    calls = {"n": 0}
+
+    def alloc(shape, dtype, device):
+        calls["n"] += 1
+        if shape[0] * paged_decode.BLOCK_SIZE > 32:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(paged_decode, "_alloc", alloc)
+    pipe = _pipeline(tiny, 8)
+    _same_think(st.run_think(pipe, tiny.ids, STEPS), eager.think)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.OOM}": 1}
+    assert stats.get(MODEL, "eager_step") == STEPS - (32 - PROMPT)
+
+
+def test_release_inside_a_launch_hands_the_request_back_with_the_fed_tokens(tiny, eager):
+    pipe = _pipeline(tiny, 8)
+    inner, calls = pipe._ar_step, []
+
+    def _ar_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # inside the first launch's tokens, the second already chained
+            pipe.release_captured_graphs()
+        return inner(*args, **kwargs)
+
+    pipe._ar_step = _ar_step
+    _same_think(st.run_think(pipe, tiny.ids, STEPS), eager.think)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.RELEASED}": 1}
+    assert stats.get(MODEL, "eager_step") == STEPS - 5
+
+
+def test_tokens_per_launch_setting_is_parsed_and_bad_values_are_named():
+    assert config.parse({}).tokens_per_launch == 8
+    assert config.parse({"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": " 16 "}).tokens_per_launch == 16
+    for bad in ("0", "65", "eight", "-1"):
+        with pytest.raises(config.ConfigError,
+                           match=f"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH='{bad}'.*1 to 64"):
+            config.parse({"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": bad})
+    with pytest.raises(config.ConfigError, match="SENSENOVA_STEP='fast'.*fused, exact"):
+        config.parse({"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fast"})

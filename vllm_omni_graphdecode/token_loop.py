@@ -1,0 +1,212 @@
+"""Greedy decode with the next token chosen on the device: several tokens per graph launch.
+
+Why: with one graph per token, the host still waits for every token (the loop's argmax and
+``.item()``), and the GPU idles while it does: 0.43 ms of a 6.5 ms SenseNova-U1 token on the H200
+(README, Performance). Here one graph records ``k`` decode steps, each feeding the argmax of its
+logits to the next step on the device, and the host reads the ``k`` tokens once per launch.
+
+The pipeline's own loop keeps running unchanged above this: it still calls ``_ar_step`` once per
+token and still decides when to stop. ``Lookahead.next`` serves each call from the tokens already
+decoded, after checking that the loop fed exactly the token and position the device fed. Anything
+else (a loop that chose another token, another position) drops what ran ahead and starts a new
+launch from the caller's token, so the result is always what the per-token path gives.
+
+Surplus: a launch decodes past the loop's stop (its end token, ``</think>``, its token limit).
+Those tokens' K/V sit in rows past the cache's valid length, which is what ``keep`` records after
+every served token: they are never read, and the next sequence overwrites them. While the host
+serves one launch's tokens, the next launch already runs (chained on the device from the last
+token), unless a stop token or the limit is among the tokens just read, or the next launch would
+need a larger bucket: so at most one launch's work is wasted, and only when a stop is not known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import stats
+from .paged_decode import DecodeGraphRunner, PagedKVCache, bucket_for
+
+
+def pick(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy next token, (1,) long: the argmax the pipelines' loops take of the last
+    position's logits (``torch.argmax(logits[:, -1, :], dim=-1)``), same reduction, same ties."""
+    return torch.argmax(logits.reshape(-1, logits.shape[-1])[-1:], dim=-1)
+
+
+class TokenProgram:
+    """``k`` decode steps of one tier's cache as one function a graph records.
+
+    Reads its start (token, position, valid length) from device tensors, which the host writes
+    before a launch (or the previous launch's last token, on the device); writes the ``k`` chosen
+    tokens into ``tokens``. Every run starts from those inputs, so the warm-ups of a capture and
+    a replay write the same K/V rows with the same values.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, k: int, step, *, name: str, graphs: bool,
+                 verify: bool, pool=None):
+        device = model.device
+        self.model = model
+        self.cache = cache
+        self.k = k
+        self.step = step  # one decode step of the tier: begin_step, then the model's forward
+        self.start_token = torch.zeros(1, dtype=torch.long, device=device)
+        self.start_position = torch.zeros(1, dtype=torch.long, device=device)
+        self.start_length = torch.zeros(1, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(k, dtype=torch.long, device=device)
+        self.runner = DecodeGraphRunner(self.forward, cache, model=name, graphs=graphs,
+                                        verify=verify, pool=pool)
+
+    def forward(self) -> torch.Tensor:
+        """Returns the last step's logits (what verify compares); the tokens go to ``tokens``."""
+        self.model.load_inputs(self.start_token, self.start_position)
+        self.cache.load_length(self.start_length)
+        logits = None
+        for j in range(self.k):
+            if j:
+                self.model.advance(self.tokens[j - 1:j])
+                self.cache.advance()
+            logits = self.step()
+            self.tokens[j:j + 1].copy_(pick(logits))
+        return logits
+
+
+@dataclasses.dataclass
+class _Launch:
+    length: int  # valid tokens before the launch's first fed token
+    position: int  # position of that token
+    first: int | None  # that token; None while unknown (chained on the device)
+    host: torch.Tensor  # where the chosen tokens land on the host
+    done: object  # an event recorded after the copy, or None (CPU: synchronous)
+    fed: list[int] = dataclasses.field(default_factory=list)
+    nexts: list[int] = dataclasses.field(default_factory=list)
+    cursor: int = 0
+
+
+class Lookahead:
+    """Serves one request's greedy loop from multi-token launches (see the module docstring).
+
+    ``decoder`` is the ``ar_session.PagedDecoder`` (its current tier, ``room`` and ``step``);
+    ``stops``: token ids after which the loop feeds nothing more (its end tokens; a token it
+    feeds and then stops on, like ``</think>``, belongs here too); ``limit``: the most tokens the
+    loop feeds, or None.
+    """
+
+    def __init__(self, decoder, k: int, *, stops=(), limit: int | None = None):
+        self.decoder = decoder
+        self.k = k
+        self.stops = frozenset(stops)
+        self.limit = limit
+        self.fed_total = 0  # tokens the loop fed so far
+        self.current: _Launch | None = None
+        self.chained: _Launch | None = None
+        cuda = decoder.model.device.type == "cuda"
+        self._hosts = [torch.zeros(k, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._turn = 0
+        self.vocab = 0
+        self._logits: torch.Tensor | None = None
+        self._hot: int | None = None
+
+    def logits(self, token: int) -> torch.Tensor:
+        """Host logits ``(1, 1, vocab)`` whose argmax is ``token``: 0 there, -inf elsewhere
+        (softmax: all mass on it). What the loop reads in place of the device's logits, so its
+        own argmax and ``.item()`` cost no device sync. Valid until the next call."""
+        if self._logits is None or self._logits.shape[-1] != self.vocab:
+            self._logits = torch.full((1, 1, self.vocab), float("-inf"))
+            self._hot = None
+        if self._hot is not None:
+            self._logits[0, 0, self._hot] = float("-inf")
+        self._logits[0, 0, token] = 0.0
+        self._hot = token
+        return self._logits
+
+    def next(self, token: int, position: int) -> int:
+        """The loop feeds ``token`` at ``position``: returns the token that follows it."""
+        self.fed_total += 1
+        cur = self.current
+        if cur is not None:
+            i = cur.cursor + 1
+            if i < len(cur.fed):
+                if cur.fed[i] == token and cur.position + i == position:
+                    cur.cursor = i
+                    self._cache().keep(cur.length + i + 1)
+                    return cur.nexts[i]
+            elif (self.chained is not None and token == cur.nexts[-1]
+                  and position == cur.position + len(cur.fed)):
+                launch, self.chained = self.chained, None
+                return self._serve(launch, token)
+        self.drain()
+        return self._start(token, position)
+
+    def drain(self) -> None:
+        """Forget what ran ahead (waiting for a launch still running: its rows are past the
+        valid length, but its host buffer must be free before the next launch)."""
+        if self.chained is not None and self.chained.done is not None:
+            self.chained.done.synchronize()
+        self.current = self.chained = None
+
+    def _cache(self) -> PagedKVCache:
+        return self.decoder.current.cache
+
+    def _fits(self, length: int, k: int) -> bool:
+        """Can ``k`` tokens after ``length`` run in the bucket the next token needs anyway?"""
+        buckets = self.decoder.buckets
+        return bucket_for(length + k, buckets) == bucket_for(length + 1, buckets)
+
+    def _start(self, token: int, position: int) -> int:
+        length = self._cache().length
+        if self.k == 1 or not self._fits(length, self.k):
+            # Near a bucket's end (or k = 1): one token at a time until the next bucket.
+            logits = self.decoder.step(token, position)
+            self.vocab = logits.shape[-1]
+            stats.count(self.decoder.name, "host_picked_token")
+            return int(pick(logits))
+        self.decoder.room(length + self.k)
+        launch = self._launch(length, position, token)
+        return self._serve(launch, token)
+
+    def _launch(self, length: int, position: int, token: int | None) -> _Launch:
+        """Enqueue one launch; ``token`` None: start from the last launch's last token."""
+        tier = self.decoder.current
+        program = tier.program(self.k)
+        tier.cache.reserve(length + self.k)
+        if token is None:
+            program.start_token.copy_(program.tokens[-1:])
+        else:
+            program.start_token.fill_(token)
+        program.start_position.fill_(position)
+        program.start_length.fill_(length + 1)
+        self.vocab = program.runner.step().shape[-1]
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        done = None
+        if program.tokens.is_cuda:
+            host.copy_(program.tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host.copy_(program.tokens)
+        stats.count(self.decoder.name, "token_launch")
+        return _Launch(length, position, token, host, done)
+
+    def _serve(self, launch: _Launch, token: int) -> int:
+        if launch.done is not None:
+            launch.done.synchronize()
+        launch.nexts = launch.host.tolist()
+        launch.fed = [token] + launch.nexts[:-1]
+        self.current = launch
+        self._cache().keep(launch.length + 1)
+        self._chain(launch)
+        return launch.nexts[0]
+
+    def _chain(self, launch: _Launch) -> None:
+        """Start the next launch now, from this one's last token, when it will be needed."""
+        after = launch.length + self.k
+        fed_after = self.fed_total - 1 + self.k  # tokens fed once this launch is used up
+        if (self.stops.intersection(launch.nexts)
+                or (self.limit is not None and fed_after >= self.limit)
+                or after + self.k > self._cache().capacity
+                or bucket_for(after + self.k, self.decoder.buckets) != self._cache().bucket):
+            return
+        self.chained = self._launch(after, launch.position + self.k, None)
