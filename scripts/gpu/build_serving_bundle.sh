@@ -1,25 +1,57 @@
 #!/usr/bin/env bash
-# Build .gpu-bundle-serve/: the few wheels vLLM-Omni 0.26's offline engine (Omni, its stage and
-# diffusion-worker processes) imports that neither the GPU host (Python 3.12, see
-# /work/.library/device/KINDS.md) nor the main bundle's site-deps carries.
+# Build .gpu-bundle-serve/: the wheels vLLM-Omni 0.26's offline engine (Omni, its stage and
+# diffusion-worker processes) and its OpenAI server (`vllm serve MODEL --omni`: API server, engine
+# core, workers) import that neither the GPU host (Python 3.12, see
+# /work/.library/device/KINDS.md) nor the main bundle's site-deps carries, plus what the
+# end-to-end serving test's client needs beyond those (nothing today: openai is in site-deps,
+# httpx/numpy/pillow are on the host).
 #
-#   scripts/gpu/build_serving_bundle.sh          # -> .gpu-bundle-serve/ (git-ignored, ~1 MiB)
+#   scripts/gpu/build_serving_bundle.sh          # -> .gpu-bundle-serve/ (git-ignored, ~7 MiB)
 #
-# How the list was found (docs/e2e-notes.md): vllm-omni 0.26.0 and vllm 0.26.0's Python trees were
-# imported on the CPU venv with every distribution that is neither on the host nor in the bundle
-# hidden from the import system, down to the engine, stage, diffusion-worker, runner, SenseNova-U1
-# pipeline and diffusers-adapter modules; a hidden distribution that made an import fail is needed:
+# How the list was found: vllm-omni 0.26.0's and vllm 0.26.0's Python trees (unpacked from the main
+# bundle) were imported on the CPU venv with every distribution that is neither on the host nor in
+# a bundle hidden from the import system (a meta-path finder that refuses their top-level modules,
+# and importlib.util.find_spec answering None for them, so availability probes see them absent),
+# one missing distribution added per run until the imports passed. A hidden distribution that made
+# an import fail is needed; one that was only probed or whose import is caught (av, soxr,
+# torchcodec, gguf, flashinfer, opentelemetry, fastsafetensors, email-validator, ...) is optional
+# and left out.
+# Offline engine (Omni): vllm_omni.engine.*, the stage client, executor, diffusion worker, model
+# runner, SenseNova-U1 pipeline and diffusers adapter modules:
 #   more-itertools  vllm_omni.engine.{async_omni_engine,stage_runtime,async_engine_utils}, top level
 #   janus           vllm_omni's engine/stage clients (sync<->async queues), top level
-# and one imported lazily on a path the tests do not take today but a request with an image does:
-#   blake3          vllm.multimodal.hasher (the orchestrator hashes multi_modal_data items)
-# Versions are the ones the CPU venv runs with vllm-omni 0.30 (same requirement ranges in 0.26).
+#   blake3          vllm.multimodal.hasher (the orchestrator hashes multi_modal_data items: any
+#                   request with an image)
+# Server (`python -m vllm.entrypoints.cli.main serve MODEL --omni`): the modules of
+# vllm.entrypoints.cli.{main,serve,launch,openai,run_batch,benchmark.main,collect_env},
+# vllm_omni.entrypoints.cli.{main,serve,benchmark.main}, and every module under
+# vllm.entrypoints.{serve,openai}, vllm_omni.entrypoints and vllm_omni.engine (walked):
+#   uvicorn, watchfiles           vllm.entrypoints.launcher (serve_http), top level
+#   python-multipart              FastAPI refuses Form/File routes without it at import
+#                                 (vllm-omni's /v1/images/edits, /v1/videos, voices)
+#   prometheus-fastapi-instrumentator  vllm.entrypoints.serve.instrumentator.metrics (build_app)
+#   model-hosting-container-standards, jmespath  vllm.entrypoints.serve.sagemaker.api_router
+#   mistral_common, jsonschema, referencing, rpds-py, jsonschema-specifications,
+#   pydantic-extra-types, pycountry  vllm.tokenizers.mistral, imported at top level by
+#                                 vllm_omni.entrypoints.openai.serving_chat (and transformers'
+#                                 MistralCommonBackend once mistral_common is present)
+#   ijson                         vllm.tool_parsers.mistral_tool_parser, top level
+#   pydantic-settings, python-dotenv  vllm_omni.config.server_settings, top level
+#   soundfile, cffi               vllm_omni.entrypoints.cli -> vllm_omni.benchmarks.patch, top level
+#                                 (soundfile's wheel carries libsndfile)
+# Versions are the ones the CPU venv runs with vllm-omni 0.30, inside vllm 0.26.0's and vllm-omni
+# 0.26.0's requirement ranges.
 # On the host, scripts/gpu/run_suite.sh runs .gpu-bundle-serve/install.sh, which installs them into
 # /tmp/site (the main bundle's target) without an index and without dependencies.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 out="$here/.gpu-bundle-serve"
-pkgs=(more-itertools==11.2.1 janus==2.0.0 blake3==1.0.11)
+pkgs=(more-itertools==11.2.1 janus==2.0.0 blake3==1.0.11
+  uvicorn==0.54.0 watchfiles==1.3.0 python-multipart==0.0.34
+  prometheus-fastapi-instrumentator==8.1.0 model-hosting-container-standards==0.1.16 jmespath==1.1.0
+  mistral_common==1.13.1 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1
+  jsonschema-specifications==2025.9.1 pydantic-extra-types==2.11.1 pycountry==26.2.16
+  ijson==3.6.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 soundfile==0.14.0 cffi==2.1.1)
 limit_mib=12
 
 rm -rf "$out" && mkdir -p "$out"
@@ -29,6 +61,35 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   --platform any -d "$out" "${pkgs[@]}"
+
+# Data the server never reads, dropped from two wheels (11 of their 14.6 MiB): pycountry's
+# translations (pydantic-extra-types only needs its ISO tables) and mistral_common's bundled
+# Mistral tokenizer files (read only when a Mistral tokenizer is loaded). RECORD loses their lines.
+python3 - "$out" <<'TRIM'
+import os, sys, zipfile
+drop = {"pycountry-": ("pycountry/locales/",), "mistral_common-": ("mistral_common/data/",)}
+out = sys.argv[1]
+for name in sorted(os.listdir(out)):
+    prefixes = next((v for k, v in drop.items() if name.startswith(k) and name.endswith(".whl")), None)
+    if not prefixes:
+        continue
+    src = os.path.join(out, name)
+    tmp = src + ".tmp"
+    kept = dropped = 0
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+        for info in zin.infolist():
+            if info.filename.startswith(prefixes):
+                dropped += 1
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(l for l in data.splitlines(keepends=True)
+                                if not l.decode().startswith(prefixes))
+            zout.writestr(info, data)
+            kept += 1
+    os.replace(tmp, src)
+    print(f"trimmed {name}: dropped {dropped} files under {', '.join(prefixes)}, kept {kept}")
+TRIM
 
 cat >"$out/install.sh" <<'INSTALL'
 #!/usr/bin/env bash
