@@ -10,11 +10,14 @@ bf16 matmul rate) are measured in the same run. Run it through scripts/gpu/run_s
 host (CONTRIBUTING.md).
 
 Cases (names as in the result rows):
-  sensenova_decode_ctxN[_fa2|_fa3|_intree]: ms/token of SenseNova-U1's text loop
-      (`_generate_text`, which is what a request runs: argmax and `.item()` every step) eager vs the
-      plugin (paged + graph, FA3 and FA2), or vs vllm-omni 0.30's in-tree path when that is the
-      stack. Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`,
-      one embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
+  sensenova_decode_ctxN[_fa2|_fa3|_fa3_kK|_fa3_exact|_intree]: ms/token of SenseNova-U1's text
+      loop (`_generate_text`, which is what a request runs: argmax and `.item()` every step) eager
+      vs the plugin (paged + graph, FA3 and FA2 at the defaults; FA3 at each tokens-per-launch K
+      and with the model's own step), or vs vllm-omni 0.30's in-tree path when that is the stack.
+      Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`, one
+      embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
+  sensenova_think_T: one whole `_generate_think` of T tokens (ms per request): eager, the plugin,
+      and on 0.30 its in-tree path (`intree_ms`).
   qwen_image_21_step_{t2i,edit2}_{512,1024}[_exact]: ms per cached denoising step of diffusers'
       QwenImage21Transformer2DModel, eager vs the plugin's graph. Floor: the step's FLOPs over the
       measured bf16 matmul rate.
@@ -57,7 +60,7 @@ SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_di
                        intermediate=12288, vocab=151936)
 
 
-LM_CASES = ("sensenova_decode", "profile", "memory")  # cases that use the SenseNova-U1 model
+LM_CASES = ("sensenova_decode", "sensenova_think", "profile", "memory")  # cases that use the SenseNova-U1 model
 _shared: dict = {}
 
 
@@ -66,15 +69,16 @@ def log(msg):
 
 
 def sensenova_model():
-    """(language model, tokenizer) at SENSENOVA_SHAPE, built once per process; the end token's
-    lm_head row is zero so every loop runs its full length."""
+    """(language model, tokenizer) at SENSENOVA_SHAPE, built once per process; the end tokens'
+    lm_head rows are zero so every loop runs its full length."""
     if "lm" not in _shared:
         start = time.perf_counter()
         lm = rm.build_lm(rm.llm_config(**SENSENOVA_SHAPE), device="cuda", dtype=torch.bfloat16,
                          seed=0, on_device_init=True)
         tok = rm.build_tokenizer(SENSENOVA_SHAPE["vocab"])
         with torch.no_grad():
-            lm.lm_head.weight[tok.convert_tokens_to_ids("<|im_end|>")].zero_()
+            for end in ("<|im_end|>", "</think>"):
+                lm.lm_head.weight[tok.convert_tokens_to_ids(end)].zero_()
         torch.cuda.synchronize()
         _shared.update(lm=lm, tok=tok)
         log(f"SenseNova-U1 model built in {time.perf_counter() - start:.1f} s")
@@ -134,10 +138,6 @@ def bench_sensenova(args, rows, env):
     lm, tok = sensenova_model()
     bw = copy_bandwidth(env)
     steps = args.steps
-    # One in-tree pipeline for every context: freeing its graphs (a new pipeline per context) and
-    # capturing again into vLLM's graph pool trips torch's use_count assert (seen on the H200).
-    intree_pipe = (rm.build_pipeline(lm, tok, device="cuda")
-                   if is_030 and not args.no_intree else None)
     for ctx in args.contexts:
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
         t_idx = ctx - 1
@@ -147,21 +147,18 @@ def bench_sensenova(args, rows, env):
             os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
         eager = _text_loop_ms(eager_pipe, prefix_logits, make_cache, t_idx, steps)
         log(f"ctx {ctx}: eager {eager:.2f} ms/token (floor {floor:.2f})")
-        if intree_pipe is not None:
-            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "1"
-            intree = _text_loop_ms(intree_pipe, prefix_logits, make_cache, t_idx, steps)
-            log(f"ctx {ctx}: vllm-omni 0.30 in-tree {intree:.2f} ms/token")
-            rows.append(common.case(f"sensenova_decode_ctx{ctx}_intree", eager, intree, floor,
-                                    side="vllm-omni 0.30 in-tree paged decode (FA2)"))
-        # The fused step's share: the first FA version once more with the model's own step.
-        variants = [(fa, True) for fa in args.fa] + ([(args.fa[0], False)]
-                                                      if args.fa and not is_030 else [])
-        for fa, fused in variants:
-            name = f"sensenova_decode_ctx{ctx}_fa{fa}" + ("" if fused else "_unfused")
+        if is_030 and not args.no_intree:
+            intree = _in_child(args, "intree_decode", ctx)
+            log(f"ctx {ctx}: vllm-omni 0.30 in-tree {intree}")
+            rows.append(common.case(f"sensenova_decode_ctx{ctx}_intree", eager,
+                                    intree.get("ms"), floor, error=intree.get("error"),
+                                    side="vllm-omni 0.30 in-tree paged decode (FA2), timed in a "
+                                         "child process of this run (see _in_child)"))
+        for name, fa, env_over in _plugin_variants(args, ctx):
             cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                                 "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
                                 "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
-                                "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0"})
+                                "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0", **env_over})
             pipe = rm.build_pipeline(lm, tok, device="cuda")
             stats.reset()
             try:
@@ -170,21 +167,132 @@ def bench_sensenova(args, rows, env):
                 rows.append(common.case(name, eager, None, floor, error=repr(exc)))
                 continue
             wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
-            if not fused:  # the model's own step (no decoder yet: no pre-capture)
-                wiring.fusion = wiring.kv_writer = None
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             snap = stats.snapshot()
             step = " + ".join((wiring.fusion.describe() if wiring.fusion else [])
                               + (["one-kernel K/V write"] if wiring.kv_writer else [])) or "unfused"
-            log(f"ctx {ctx}: ours FA{fa} {ours:.2f} ms/token, step {step} ({summary}; "
-                f"{snap['counters']})")
+            k = cfg.tokens_per_launch
+            log(f"ctx {ctx}: {name} {ours:.2f} ms/token, step {step}, {k} tokens/launch "
+                f"({summary}; {snap['counters']})")
             rows.append(common.case(name, eager, ours, floor,
-                                    side=f"plugin paged + graph, FA{fa}, step {step}",
+                                    side=f"plugin paged + graph, FA{fa}, step {step}, "
+                                         f"{k} tokens per launch",
+                                    tokens_per_launch=k, sensenova_step=cfg.sensenova_step,
                                     counters=snap["counters"], fallbacks=snap["fallbacks"]))
             pipe.release_captured_graphs()
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
     del lm
+    release_model_unless_needed(args)
+
+
+def _in_child(args, what: str, ctx: int) -> dict:
+    """Time vllm-omni 0.30's in-tree path in a child process of this run: {"ms": ...} or
+    {"error": ...}.
+
+    Why a child: the in-tree path builds a new paged cache and graph runner when a request
+    outgrows its buffers; the old graphs are freed, and its next capture into vLLM's graph pool in
+    the same process tripped torch's ``use_count > 0`` assert in the caching allocator (torch
+    2.11 on the H200), which would end this whole run. The child builds the same model (same
+    seed) and prefix (same seed) and reports one number; the eager row stays this process's.
+    """
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--child", what,
+           "--child-context", str(ctx), "--steps", str(args.steps),
+           "--think-prompt", str(args.think_prompt), "--think-tokens", str(args.think_tokens)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    with open(os.path.join(args.out, f"child-{what}-{ctx}.log"), "w") as f:
+        f.write(proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return {"error": f"child exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    return json.loads(lines[-1])
+
+
+def _child_main(args) -> None:
+    """The child side of ``_in_child``: one in-tree figure, as JSON on stdout."""
+    lm, tok = sensenova_model()
+    os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "1"
+    pipe = rm.build_pipeline(lm, tok, device="cuda")
+    ctx = args.child_context
+    if args.child == "intree_decode":
+        prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
+        result = {"ms": _text_loop_ms(pipe, prefix_logits, make_cache, ctx - 1, args.steps)}
+    else:  # intree_think
+        times, text = _think_times(lm, pipe, args.think_prompt, args.think_tokens, 4)
+        result = {"ms": sorted(times[1:])[1], "first_ms": times[0], "text": text}
+    print(json.dumps(result), flush=True)
+
+
+def _think_times(lm, pipe, prompt: int, tokens: int, runs: int):
+    """ms of each of ``runs`` whole ``_generate_think`` calls, and the last think text."""
+    from types import SimpleNamespace
+
+    prefix_logits, make_cache = rm.random_prefix(lm, prompt, seed=prompt)
+    prefix = SimpleNamespace(logits=prefix_logits)
+    times, text = [], ""
+    for _ in range(runs):
+        cache = make_cache()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            _, _, text = pipe._generate_think(prefix, cache, prompt - 1, max_think_tokens=tokens)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times, text
+
+
+def _plugin_variants(args, ctx):
+    """(row name, FA version, settings) of every plugin side timed at ``ctx``: each FA version at
+    the defaults; for the first, every ``--tokens-per-launch`` and the exact (model's own) step."""
+    variants = [(f"sensenova_decode_ctx{ctx}_fa{fa}", fa, {}) for fa in args.fa]
+    if args.fa:
+        fa = args.fa[0]
+        variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_k{k}", fa,
+                      {"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
+                     for k in args.tokens_per_launch]
+        variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_exact", fa,
+                         {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
+    return variants
+
+
+def bench_think(args, rows, env):
+    """One whole ``_generate_think`` of ``--think-tokens`` tokens from a ``--think-prompt``-token
+    prompt (``sensenova_think_1024``): eager (one run: ~1 minute on 0.26), vllm-omni 0.30's in-tree
+    path when that is the stack, and the plugin at its defaults (median of 3, after a warm-up
+    request that pre-captures nothing: the plugin's first request is in ``first_ms``)."""
+    is_030 = rm.has_intree_paged_decode()
+    lm, tok = sensenova_model()
+    prompt, tokens = args.think_prompt, args.think_tokens
+    floor = tokens * sensenova_read_bytes(lm, prompt + tokens // 2) / copy_bandwidth(env) * 1e3
+    if is_030:
+        os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
+    (eager,), eager_text = _think_times(lm, rm.build_pipeline(lm, tok, device="cuda"), prompt,
+                                        tokens, 1)
+    log(f"think {tokens}: eager {eager:.0f} ms")
+    extra = {}
+    if is_030 and not args.no_intree:
+        intree = _in_child(args, "intree_think", prompt)
+        extra = dict(intree_ms=intree.get("ms"), intree_first_ms=intree.get("first_ms"),
+                     intree_error=intree.get("error"),
+                     intree_equals_eager_text=intree.get("text") == eager_text)
+        log(f"think {tokens}: in-tree {extra}")
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover"})
+    pipe = rm.build_pipeline(lm, tok, device="cuda")
+    stats.reset()
+    summary = sensenova_u1.install(pipe, cfg)
+    times, ours_text = _think_times(lm, pipe, prompt, tokens, 4)
+    ours = sorted(times[1:])[1]
+    words = [eager_text.split(), ours_text.split()]
+    agree = next((i for i, (a, b) in enumerate(zip(*words)) if a != b), min(map(len, words)))
+    log(f"think {tokens}: ours {ours:.0f} ms ({summary})")
+    rows.append(common.case(f"sensenova_think_{tokens}", eager, ours, floor,
+                            prompt_tokens=prompt, think_tokens=tokens, first_ms=round(times[0], 2),
+                            tokens_agree_with_eager=agree, counters=stats.snapshot()["counters"],
+                            **extra))
+    pipe.release_captured_graphs()
     release_model_unless_needed(args)
 
 
@@ -373,12 +481,15 @@ def bench_profile(args, rows, env):
     result["sensenova"] = {"context": ctx, "kernel": str(getattr(kernel, "name", kernel)),
                            "buckets": list(buckets), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                            "floor_ms_per_token": round(floor, 4)}
-    if isinstance(kernel, kernels.Kernel):
-        save(f"sensenova_graph_ctx{ctx}", lambda: profile_step.profile_sensenova_graph(
+    k = config.parse({}).tokens_per_launch
+    for name, per_launch in ((f"sensenova_graph_ctx{ctx}", k), (f"sensenova_graph_k1_ctx{ctx}", 1)):
+        if not isinstance(kernel, kernels.Kernel):
+            profiles[name] = {"error": f"no paged kernel: {kernel}"}
+            continue
+        save(name, lambda per_launch=per_launch: profile_step.profile_sensenova_graph(
             lm, kernel, prefix_logits, make_cache, ctx, steps=args.profile_steps,
-            buckets=buckets, copy_bytes_per_s=bw, device_type=device.type))
-    else:
-        profiles[f"sensenova_graph_ctx{ctx}"] = {"error": f"no paged kernel: {kernel}"}
+            buckets=buckets, copy_bytes_per_s=bw, device_type=device.type,
+            tokens_per_launch=per_launch))
 
     def eager():
         if is_030:
@@ -464,7 +575,8 @@ def bench_attention(args, rows, env):
 
 # ------------------------------------------------------------------ output
 
-CASES = {"sensenova_decode": bench_sensenova, "qwen_image_21_step": bench_qwen,
+CASES = {"sensenova_decode": bench_sensenova, "sensenova_think": bench_think,
+         "qwen_image_21_step": bench_qwen,
          "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,
          "qwen_profile": bench_qwen_profile}
 
@@ -484,24 +596,33 @@ def main():
                     help="Qwen-Image-2.1 modes timed per case (rows without suffix: fast)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
+    ap.add_argument("--tokens-per-launch", default="1,4,8,16",
+                    help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
+    ap.add_argument("--think-prompt", type=int, default=512, help="sensenova_think prompt tokens")
+    ap.add_argument("--think-tokens", type=int, default=1024, help="sensenova_think tokens")
     ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
     ap.add_argument("--no-intree", action="store_true",
-                    help="vllm-omni 0.30: skip its in-tree decode (time it in another process: "
-                         "after its graphs are freed, a capture into vLLM's graph pool in the same "
-                         "process tripped torch's use_count assert on the H200)")
+                    help="vllm-omni 0.30: skip its in-tree decode (otherwise timed in a child "
+                         "process per figure, see _in_child)")
     ap.add_argument("--memory-steps", type=int, default=24, help="tokens per memory-case request")
+    ap.add_argument("--child", choices=("intree_decode", "intree_think"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-context", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--profile-context", type=int, default=2048)
-    ap.add_argument("--profile-steps", type=int, default=10, help="graphed steps profiled")
+    ap.add_argument("--profile-steps", type=int, default=16, help="graphed tokens profiled")
     ap.add_argument("--profile-eager-steps", type=int, default=6, help="eager steps profiled")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]
+    args.tokens_per_launch = [int(k) for k in args.tokens_per_launch.split(",") if k]
     args.qwen_modes = [m for m in args.qwen_modes.split(",") if m]
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     os.makedirs(args.out, exist_ok=True)
+    if args.child:
+        rm.setup_runtime("cuda")
+        return _child_main(args)
     env = common.environment()
     rows: list[dict] = []
     rm.setup_runtime("cuda")

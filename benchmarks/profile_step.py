@@ -319,26 +319,33 @@ def sensenova_gemms(lm) -> tuple[tuple, dict[str, int]]:
 
 
 def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, steps: int,
-                            buckets, copy_bytes_per_s=None, device_type="cuda") -> dict:
-    """The plugin's decode step (graphs on), as the pipeline's loop drives it."""
+                            buckets, copy_bytes_per_s=None, device_type="cuda",
+                            tokens_per_launch: int = 1) -> dict:
+    """The plugin's decode step (graphs on), as the pipeline's loop drives it: one token per
+    ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches."""
     layout, sizes = sensenova_gemms(lm)
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1
 
-        dec = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=buckets, graphs=graphs)
+        dec = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=buckets, graphs=graphs,
+                                         tokens_per_launch=tokens_per_launch)
         try:
             dec.begin(make_cache())
-            state = {"token": prefix_logits[:, -1].argmax(-1), "t": ctx}
+            ahead = dec.lookahead() if tokens_per_launch > 1 else None
+            state = {"token": int(prefix_logits[:, -1].argmax(-1)), "t": ctx}
 
             def step():
                 with torch.inference_mode():
-                    logits = dec.step(state["token"], state["t"])
-                    state["token"] = logits[:, -1].argmax(-1)
-                    state["token"].item()  # the loop's host sync, as _generate_text has it
+                    if ahead is not None:
+                        state["token"] = ahead.next(state["token"], state["t"])
+                    else:
+                        logits = dec.step(state["token"], state["t"])
+                        # the loop's argmax and host sync, as _generate_text has it
+                        state["token"] = int(logits[:, -1].argmax(-1))
                     state["t"] += 1
 
-            for _ in range(3):  # capture (graphs) and warm-up
+            for _ in range(3 * tokens_per_launch):  # capture (graphs) and warm-up
                 step()
             wall = wall_ms(step, steps, device_type=device_type)
             trace = profile(step, steps, device_type=device_type)

@@ -190,14 +190,15 @@ def test_profile_case_runs_end_to_end_on_cpu(tmp_path, monkeypatch, tiny_lm):
     with open(tmp_path / "profile-cpu.json") as f:
         result = json.load(f)
     profiles = result["profiles"]
-    assert set(profiles) == {"sensenova_graph_ctx20", "sensenova_eager_ctx20",
-                             "qwen_image_21_t2i_1024"}
+    assert set(profiles) == {"sensenova_graph_ctx20", "sensenova_graph_k1_ctx20",
+                             "sensenova_eager_ctx20", "qwen_image_21_t2i_1024"}
     for name, prof in profiles.items():
         assert "error" not in prof, (name, prof)
     graph = profiles["sensenova_graph_ctx20"]
     assert graph["kernels_from"].startswith("graphs=False") and graph["steps"] == 3
     assert graph["wall_ms_per_step"] > 0 and graph["kernels_per_step"] == 0  # no device here
     assert graph["gemm"]["attributed"] is False
+    assert profiles["sensenova_graph_k1_ctx20"]["steps"] == 3
     eager = profiles["sensenova_eager_ctx20"]
     assert eager["forwards"] == 3 and eager["steps"] == 3 and eager["wall_ms_per_step"] > 0
     qwen = profiles["qwen_image_21_t2i_1024"]

@@ -32,12 +32,15 @@ PROMPT = 40
 TIE = 0.125  # bf16 logits: a top-2 gap this small may flip between attention kernels
 
 
-def _cfg(buckets="64,128,256", precapture="64", **env):
+def _cfg(buckets="64,128,256", precapture="64", k=1, **env):
+    """k: tokens per launch. 1 (one launch per token) returns every step's logits, which most
+    comparisons here read; tests of the multi-token loop pass k > 1 and compare tokens."""
     values = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
               "VLLM_OMNI_GRAPHDECODE_BUCKETS": buckets,
               "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": precapture,
               # with vllm-omni 0.30 installed, run this plugin's path instead of the in-tree one
-              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover"}
+              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+              "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)}
     values.update(env)
     return config.parse(values)
 
@@ -68,8 +71,11 @@ def _pipe(gpu, lm=None, cfg=None, runner=None, **install):
 
 
 def _think(pipe, ids, steps):
+    """One think request. ``launched``: its tokens came from multi-token launches, so its
+    ``logits`` are the host logits the loop read (argmax only), not the model's."""
     inner = pipe._ar_step
     logits = st.record_ar_steps(pipe)
+    launches = stats.get(MODEL, "token_launch")
     try:
         cache, t_idx, text = st.run_think(pipe, ids, steps)
         torch.cuda.synchronize()
@@ -78,7 +84,8 @@ def _think(pipe, ids, steps):
         # grew memory quadratically across requests in the memory test, which is not the plugin.
         pipe._ar_step = inner
     return SimpleNamespace(cache=cache, t_idx=t_idx, text=text, logits=logits,
-                           tokens=[int(l.argmax(-1)) for l in logits])
+                           tokens=[int(l.argmax(-1)) for l in logits],
+                           launched=stats.get(MODEL, "token_launch") > launches)
 
 
 def _state(pipe):
@@ -92,12 +99,14 @@ def _same_tokens_up_to_a_tie(got, want, tie, logit_tol):
     assert len(got.tokens) == len(want.tokens)
     for i, (a, b) in enumerate(zip(got.tokens, want.tokens)):
         if a != b:
+            assert not want.launched, f"step {i}: chose {a}, reference {b}"
             top = want.logits[i][0].topk(2).values
             gap = float(top[0] - top[1])
             assert gap < tie, f"step {i}: chose {a}, reference {b}, reference top-2 gap {gap:.4f}"
             return i
-        diff = (got.logits[i] - want.logits[i]).abs().max().item()
-        assert diff < logit_tol, f"step {i}: logits differ by {diff:.4f}"
+        if not (got.launched or want.launched):
+            diff = (got.logits[i] - want.logits[i]).abs().max().item()
+            assert diff < logit_tol, f"step {i}: logits differ by {diff:.4f}"
     return None
 
 
@@ -129,6 +138,8 @@ def test_gpu_rope_once_is_bit_identical_to_every_layers_own_rope(gpu):
     """The fused step computes the rope tables in the first layer and hands them to every
     layer; each layer's own ``_project_and_rope`` must give exactly the same q, k, v."""
     layout = _fused_layout(gpu)
+    if not layout.rope_per_layer:
+        pytest.skip(f"{layout.name} layout: the model computes its rope tables once itself")
     fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
     assert fusion.rope_kernel is not None, fusion.reasons
     torch.manual_seed(0)
@@ -193,7 +204,8 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
     within bf16 rounding carried through the layers: 2% of the largest logit."""
     layout = _fused_layout(gpu)
     fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
-    assert fusion.describe() == ["rope once per step", "fused norms + SiLU"], fusion.reasons
+    expected = ["rope once per step"] if layout.rope_per_layer else []
+    assert fusion.describe() == expected + ["fused norms + SiLU"], fusion.reasons
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
     _, cache_plain, _ = st.prefill(pipe, gpu.ids)
@@ -252,10 +264,11 @@ def test_gpu_verify_mode_accepts_every_new_graph(gpu):
     assert stats.get(MODEL, "verify_mismatch") == 0 and stats.fallbacks(MODEL) == {}
 
 
-def test_gpu_base_lora_base_each_match_eager(gpu):
+@pytest.mark.parametrize("k", [1, 8])
+def test_gpu_base_lora_base_each_match_eager(gpu, k):
     """Graphs captured for a base request must not serve a LoRA request, nor the reverse."""
     lm = _build_lm(gpu.tok)  # own copy: wrappers stay in its tree
-    graphed = _pipe(gpu, lm=lm)
+    graphed = _pipe(gpu, lm=lm, cfg=_cfg(k=k))
     reference = _pipe(gpu, lm=lm, graphs=False)
     dynamic = _pipe(gpu, lm=lm, cfg=False)
     steps = 200
@@ -297,9 +310,10 @@ def _sleep_level_2(runner):
         runner.graph_runners.clear()
 
 
-def test_gpu_sleep_release_then_new_request_recaptures_and_matches(gpu):
+@pytest.mark.parametrize("k", [1, 8])
+def test_gpu_sleep_release_then_new_request_recaptures_and_matches(gpu, k):
     runner = _runner()
-    pipe = _pipe(gpu, runner=runner)
+    pipe = _pipe(gpu, cfg=_cfg(k=k), runner=runner)
     runner.pipeline = pipe
     first = _think(pipe, gpu.ids, 200)
     captures = stats.get(MODEL, "capture")
@@ -315,12 +329,13 @@ def test_gpu_sleep_release_then_new_request_recaptures_and_matches(gpu):
     _same_tokens_up_to_a_tie(again, first, tie=0.02, logit_tol=2e-2)
 
 
+@pytest.mark.parametrize("k", [1, 8])
 @pytest.mark.parametrize("lora", [False, True], ids=["reused-graphs", "lora-per-request"])
-def test_gpu_device_memory_after_requests_5_to_20_does_not_grow(gpu, lora):
+def test_gpu_device_memory_after_requests_5_to_20_does_not_grow(gpu, lora, k):
     lm = _build_lm(gpu.tok) if lora else gpu.lm
     if lora:
         st.bind_adapter(st.add_lora_wrappers(lm))
-    pipe = _pipe(gpu, lm=lm)
+    pipe = _pipe(gpu, lm=lm, cfg=_cfg(k=k))
     allocated, reserved = [], []
     for i in range(20):
         ids = st.prompt_ids(gpu.tok, PROMPT - (i % 3), seed=i, device="cuda")
@@ -349,16 +364,18 @@ def _decode_seconds(pipe, ids, steps):
     return time.perf_counter() - start
 
 
-def test_gpu_precapture_makes_first_request_decode_within_5pct_of_steady_state(gpu):
-    """400 text steps from a 40-token prompt touch buckets 64..512, all pre-captured at load."""
+@pytest.mark.parametrize("k", [1, 8])
+def test_gpu_precapture_makes_first_request_decode_within_5pct_of_steady_state(gpu, k):
+    """400 text steps from a 40-token prompt touch buckets 64..512, all pre-captured at load
+    (with k > 1: each bucket's one-token graph and its k-token program)."""
     buckets = "64,128,256,512"
     steps = 400
-    warm = _pipe(gpu, cfg=_cfg(buckets, precapture="64"))
+    warm = _pipe(gpu, cfg=_cfg(buckets, precapture="64", k=k))
     _decode_seconds(warm, gpu.ids, steps)  # process-wide first-use costs (kernels, cuBLAS)
     firsts, steady = [], []
     for _ in range(3):
-        pipe = _pipe(gpu, cfg=_cfg(buckets, precapture=buckets))
-        assert _state(pipe).decoder.num_graphs == 4
+        pipe = _pipe(gpu, cfg=_cfg(buckets, precapture=buckets, k=k))
+        assert _state(pipe).decoder.num_graphs == 4 * (2 if k > 1 else 1)
         captures = stats.get(MODEL, "capture")
         firsts.append(_decode_seconds(pipe, gpu.ids, steps))
         assert stats.get(MODEL, "capture") == captures, "the first request captured a graph"
@@ -370,10 +387,11 @@ def test_gpu_precapture_makes_first_request_decode_within_5pct_of_steady_state(g
 
 # ------------------------------------------------------------------ tiers, capture failure, threads
 
-def test_gpu_pre_captured_graphs_survive_a_longer_request(gpu):
+@pytest.mark.parametrize("k", [1, 8])
+def test_gpu_pre_captured_graphs_survive_a_longer_request(gpu, k):
     """Pre-capture fills the pinned tier; a request past it moves to the overflow tier, and the
     next short request replays the pinned graphs without capturing again."""
-    pipe = _pipe(gpu, cfg=_cfg("64,128,256", precapture="64,128"))
+    pipe = _pipe(gpu, cfg=_cfg("64,128,256", precapture="64,128", k=k))
     dec = _state(pipe).decoder
     pinned = dec.pinned
     assert pinned.runner.buckets_captured() == [64, 128]
@@ -469,3 +487,85 @@ def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, 
     assert stats.fallbacks(MODEL) == {}
     assert stats.get(MODEL, "decode_waits") == 1 and stats.get(MODEL, "paged_request") == 2
     assert results["a"] == alone_a and results["b"] == alone_b
+
+
+# ------------------------------------------------------------------ several tokens per launch
+
+LONG_BUCKETS = "64,128,256,512,1024"  # 40 + 1100 tokens: every bucket, then the tail (1536)
+
+
+@pytest.mark.parametrize("k", [4, 8, 16])
+def test_gpu_token_loop_equals_the_per_token_graph_path_over_1100_think_tokens(gpu, k):
+    """Greedy think decode with k tokens per launch against one launch per token, both graphs
+    on the same kernels: the same tokens, the same t_idx and the same written-back cache."""
+    want = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=1)), gpu.ids, 1100)
+    stats.reset()
+    got = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=k)), gpu.ids, 1100)
+    assert got.launched and not want.launched
+    assert got.tokens == want.tokens and got.text == want.text and got.t_idx == want.t_idx
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        assert a.keys.shape == b.keys.shape
+        assert (a.keys.float() - b.keys.float()).abs().max().item() < 1e-2
+        assert (a.values.float() - b.values.float()).abs().max().item() < 1e-2
+    launches = stats.get(MODEL, "token_launch")
+    assert launches * k + stats.get(MODEL, "host_picked_token") >= 1100
+    assert stats.get(MODEL, "eager_step") == 0 and stats.fallbacks(MODEL) == {}
+
+
+def test_gpu_token_loop_text_with_a_limit_inside_a_launch(gpu):
+    def text(k, steps):
+        pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=k))
+        out, cache, t_idx = st.prefill(pipe, gpu.ids)
+        with torch.inference_mode():
+            return pipe._generate_text(out.logits, cache, t_idx, max_tokens=steps)
+
+    assert text(8, 1003) == text(1, 1003)
+
+
+def test_gpu_token_loop_stop_token_inside_a_launch(gpu, monkeypatch):
+    """``</think>`` made to be a token first decoded after 300 steps (the model never emits the
+    real one): the loop feeds it and stops, inside a launch; everything equals the per-token
+    path, and the cache holds exactly the fed tokens."""
+    base = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=1)), gpu.ids, 600)
+    fed = gpu.tok(base.text, add_special_tokens=False)["input_ids"]  # every token the loop fed
+    assert len(fed) == 600
+    i = next((j for j in range(300, 600) if fed[j] not in fed[:j]), None)
+    if i is None:
+        pytest.skip("no new token after step 300 to stop on")
+    real = gpu.tok.convert_tokens_to_ids
+    monkeypatch.setattr(gpu.tok, "convert_tokens_to_ids",
+                        lambda name: fed[i] if name == "</think>" else real(name))
+    want = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=1)), gpu.ids, 600)
+    got = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8)), gpu.ids, 600)
+    assert len(want.tokens) == i + 1  # fed[0..i], the stop included, then the loop ends
+    assert got.tokens == want.tokens and got.text == want.text
+    appended = len(gpu.tok("\n\n<img>", add_special_tokens=False)["input_ids"])
+    assert got.cache.get_seq_length() == PROMPT + i + 1 + appended
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        assert (a.keys.float() - b.keys.float()).abs().max().item() < 1e-2
+
+
+def test_gpu_fa3_schedule_once_per_step_equals_planning_in_every_call(gpu):
+    """FA3's split plan made once per step and passed to all layers gives the same logits as
+    FA3 planning inside every call (bit for bit), graphs on both sides, 300 steps."""
+    if gpu.kernel.schedule is None:
+        pytest.skip(f"{gpu.kernel.name} has no separate schedule")
+    import dataclasses
+
+    per_call = dataclasses.replace(gpu.kernel, schedule=None)
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, cache_a, t_idx = st.prefill(pipe, gpu.ids)
+    _, cache_b, _ = st.prefill(pipe, gpu.ids)
+    once = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256, 512))
+    every = hook.paged_decoder(gpu.lm, kernel=per_call, buckets=(64, 128, 256, 512))
+    once.begin(cache_a)
+    every.begin(cache_b)
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(300):
+            a = once.step(token, t_idx + 1 + step).clone()
+            b = every.step(token, t_idx + 1 + step)
+            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
+            token = b[:, -1].argmax(-1)
+    once.release()
+    every.release()

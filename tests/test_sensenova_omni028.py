@@ -55,6 +55,12 @@ def test_028_paged_think_matches_eager_across_bucket_and_tail(report):
     assert r["capacity"] == 96 and r["paged_requests"] == 1 and r["fallbacks"] == {}
 
 
+def test_028_think_in_multi_token_launches_matches_eager(report):
+    k8 = report["think_k8"]
+    assert k8["same_text"] and k8["same_t_idx"] and k8["max_cache_diff"] < 1e-4
+    assert k8["launches"] > 0 and k8["fallbacks"] == {}
+
+
 def test_028_paged_text_matches_eager(report):
     assert report["text"]["same"] and report["text"]["paged_steps"] == 70
 
@@ -158,9 +164,12 @@ def _child(omni_path: str) -> dict:
     from vllm_omni_graphdecode.patching import HookRefused
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 
-    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                        "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
-                        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "32"})
+    settings = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
+                "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "32",
+                # every step's logits are compared: one launch per token returns them
+                "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": "1"}
+    cfg = config.parse(settings)
     tok = st.build_tokenizer()
     lm = st.build_lm(banned_ids=st.stop_ids(tok))
     ids = st.prompt_ids(tok, 20)
@@ -200,6 +209,20 @@ def _child(omni_path: str) -> dict:
                               for a, b in zip(got[0].layers, want[0].layers)),
         "capacity": getattr(pipe, hook.STATE_ATTR).decoder.cache.capacity,
         "paged_requests": stats.get(hook.MODEL, "paged_request"),
+        "fallbacks": stats.fallbacks(hook.MODEL),
+    }
+
+    stats.reset()
+    pipe = st.build_pipeline(lm, tok)
+    hook.install(pipe, config.parse({**settings, "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": "8"}),
+                 None, kernel=kernels.REFERENCE, graphs=False)
+    got = st.run_think(pipe, ids, 70)
+    out["think_k8"] = {
+        "same_text": got[2] == want[2], "same_t_idx": got[1] == want[1],
+        "max_cache_diff": max(max((a.keys - b.keys).abs().max().item(),
+                                  (a.values - b.values).abs().max().item())
+                              for a, b in zip(got[0].layers, want[0].layers)),
+        "launches": stats.get(hook.MODEL, "token_launch"),
         "fallbacks": stats.fallbacks(hook.MODEL),
     }
 
