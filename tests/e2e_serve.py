@@ -1,0 +1,484 @@
+"""Start vLLM-Omni's OpenAI server (``vllm serve MODEL --omni``) on loopback, send it requests with
+the ``openai`` client the way users do, and write what came back, for
+``tests/test_e2e_serve_gpu.py`` to compare with the plugin off and on.
+
+    python tests/e2e_serve.py --scenario sensenova --model DIR --out DIR/NAME [--env K=V ...]
+                              [--serve-arg=--flag --serve-arg=value ...]
+
+One server per run: ``python -m vllm.entrypoints.cli.main serve MODEL --omni --host 127.0.0.1
+--port FREE ...`` (what the ``vllm`` console script runs; the offline bundle has no console
+script), its output in ``OUT/server.log``, readiness by ``GET /health`` within ``--init-timeout``.
+Scenarios (the request kinds the summary names):
+
+* ``sensenova``: ``sensenova_text`` (``/v1/chat/completions``, ``modalities=["text"]``, greedy
+  ``max_tokens``), ``sensenova_think_image`` (the same endpoint, ``modalities=["image"]``,
+  ``think`` and the image size/steps/seed in the body: the model's documented request form),
+  ``sensenova_concurrent`` (several text prompts sent together, each compared with its own serial
+  answer), then the sleep phase.
+* ``qwen``: ``qwen_t2i`` (``/v1/images/generations``), ``qwen_edit`` (``/v1/images/edits`` with
+  two reference images), ``qwen_edit_chat`` (the same edit through ``/v1/chat/completions`` with
+  two ``image_url`` parts), ``qwen_concurrent_N`` (N text-to-image requests of distinct seeds,
+  serially and then all at once), then the sleep phase.
+* ``qwen_t2i``: only ``qwen_t2i`` (a server whose plugin cannot wire, or another mode).
+* ``refusal``: the server is expected to exit before serving; its exit code and the last lines
+  of its output are recorded.
+
+Sleep phase: ``POST /v1/omni/sleep`` (level 1), ``/v1/omni/wakeup``, the first request again;
+then level 2 and wake-up again (vllm-omni 0.26 refuses to wake from level 2 with
+NotImplementedError: recorded, not hidden), and the first request once more. Without
+``--enable-sleep-mode`` the weights stay where they are; level 2 still clears the runner's
+graphs, which is where this plugin drops its own.
+
+Written to ``OUT/result.json`` after every request kind (a later failure keeps what came
+before): per request its latency and output (text, think text, image sha256 and the uint8 array
+as ``.npy`` beside it), the server's start time and pid, and the plugin's counters as the
+server's processes wrote them through ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` (``{pid}``): after each
+request kind (at most one second behind: a process writes at most once a second while counting)
+and after the server stopped (exact: each process writes at exit). Never imports the plugin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import glob
+import hashlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+SENSENOVA_PROMPT = "Describe a red cube on a wooden table in one sentence."
+SENSENOVA_CONCURRENT_PROMPTS = ("Name three colours.", "Count from one to five.",
+                                "What is a cube?", "Describe a wooden table.")
+THINK_PROMPT = "A red cube on a wooden table."
+QWEN_PROMPT = "a red cube on a wooden table"
+EDIT_PROMPT = "put the cube from the first image on the table from the second"
+SEED = 0
+IMAGE_SIZE = 32  # SenseNova-U1 tiny: 16 px per latent token; Qwen tiny: VAE 16x
+SLEEP_ENDPOINTS = ("/v1/omni/sleep", "/v1/omni/wakeup")
+SCENARIOS = ("sensenova", "qwen", "qwen_t2i", "refusal")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--model", required=True, metavar="DIR", help="tiny checkpoint directory")
+    p.add_argument("--out", required=True, metavar="DIR", help="result.json, server.log, .npy")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="set in the server's environment (repeatable)")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one extra argument of `vllm serve` (repeatable; write --serve-arg=--x)")
+    p.add_argument("--text-tokens", type=int, default=32, help="greedy max_tokens (SenseNova)")
+    p.add_argument("--sensenova-steps", type=int, default=2, help="think image steps (>= 2)")
+    p.add_argument("--qwen-steps", type=int, default=4, help="Qwen steps: 0 extracts, rest replay")
+    p.add_argument("--concurrent", type=int, default=8, help="concurrent Qwen requests")
+    p.add_argument("--init-timeout", type=int, default=300, help="server start limit, seconds")
+    p.add_argument("--request-timeout", type=int, default=180, help="one request's limit")
+    p.add_argument("--no-sleep", action="store_true", help="skip the sleep phase")
+    args = p.parse_args(argv)
+    for item in args.env:
+        if "=" not in item:
+            p.error(f"--env {item}: expected K=V")
+    if args.sensenova_steps < 2 or args.qwen_steps < 2:
+        p.error("steps must be >= 2 (one step divides by zero in the tiny schedulers)")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# The server process
+# ---------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(model: str, port: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--omni",
+            "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
+class Server:
+    """One ``vllm serve --omni`` process group: start, wait until healthy, stop."""
+
+    def __init__(self, model: str, extra: list[str], env: dict[str, str], log_path: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = serve_command(model, self.port, extra)
+        self.env, self.log_path = env, log_path
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(self.cmd) + "\n")
+            log.flush()
+            # A session of its own: stopping it reaches the engine and workers it spawned.
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> tuple[str, float]:
+        """("ready" | "exited" | "timeout", seconds since start)."""
+        import httpx
+
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return "exited", self.elapsed()
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return "ready", self.elapsed()
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        return "timeout", self.elapsed()
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.started, 2)
+
+    def stop(self, grace: float = 60.0) -> int | str:
+        """SIGINT (uvicorn's graceful shutdown, which shuts the engine down), then SIGKILL."""
+        if self.proc is None:
+            return "not started"
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+        self.proc.wait()
+        return self.proc.returncode
+
+    def log_tail(self, n: int = 40) -> list[str]:
+        with open(self.log_path, errors="replace") as f:
+            return f.read().splitlines()[-n:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests, through the openai client
+# ---------------------------------------------------------------------------------------------
+
+def make_client(url: str, timeout: float):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", timeout=timeout, max_retries=0)
+
+
+def png_bytes(array) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def reference_images() -> list[bytes]:
+    """Two distinct 32x32 RGB PNGs, the same bytes in every run."""
+    import numpy as np
+
+    rng = np.random.default_rng(SEED)
+    return [png_bytes(rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8))
+            for _ in range(2)]
+
+
+def decode_image(b64: str):
+    """base64 PNG (or a data: URL of one) -> uint8 HxWxC array."""
+    import numpy as np
+    from PIL import Image
+
+    if b64.startswith("data:"):
+        b64 = b64.split(",", 1)[1]
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def find_key(value, key: str):
+    """The first value stored under ``key`` anywhere inside nested dicts/lists, or None."""
+    if isinstance(value, dict):
+        if key in value:
+            return value[key]
+        value = list(value.values())
+    if isinstance(value, list):
+        for item in value:
+            found = find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
+def chat_images(body: dict) -> list[str]:
+    """The image URLs of a chat completion's first choice (vllm-omni returns a list of parts)."""
+    content = body["choices"][0]["message"].get("content")
+    if not isinstance(content, list):
+        return []
+    return [part["image_url"]["url"] for part in content
+            if isinstance(part, dict) and part.get("type") == "image_url"]
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    raw = fn()
+    elapsed = time.perf_counter() - start
+    return raw.http_response.json(), round(elapsed, 3)
+
+
+def sensenova_text(client, model: str, prompt: str, max_tokens: int) -> dict:
+    body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": prompt}], modalities=["text"],
+        max_tokens=max_tokens, seed=SEED))
+    text = body["choices"][0]["message"].get("content")
+    if not isinstance(text, str):
+        raise TypeError(f"no text in the answer: {json.dumps(body)[:400]}")
+    return {"text": text, "s": took}
+
+
+def sensenova_think_image(client, model: str, steps: int) -> dict:
+    body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": THINK_PROMPT}]}],
+        modalities=["image"], seed=SEED,
+        extra_body={"think": True, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
+                    "num_inference_steps": steps}))
+    urls = chat_images(body)
+    if len(urls) != 1:
+        raise RuntimeError(f"expected one image, got {len(urls)}: {json.dumps(body)[:400]}")
+    return {"think_text": find_key(body, "think_text"), "image": decode_image(urls[0]), "s": took}
+
+
+def qwen_t2i(client, model: str, steps: int, seed: int = SEED) -> dict:
+    body, took = _timed(lambda: client.images.with_raw_response.generate(
+        model=model, prompt=QWEN_PROMPT, n=1, size=f"{IMAGE_SIZE}x{IMAGE_SIZE}",
+        response_format="b64_json", extra_body={"num_inference_steps": steps, "seed": seed}))
+    return {"image": decode_image(body["data"][0]["b64_json"]), "s": took}
+
+
+def qwen_edit(client, model: str, steps: int) -> dict:
+    refs = [(f"ref{i}.png", data, "image/png") for i, data in enumerate(reference_images())]
+    body, took = _timed(lambda: client.images.with_raw_response.edit(
+        model=model, image=refs, prompt=EDIT_PROMPT, n=1, size=f"{IMAGE_SIZE}x{IMAGE_SIZE}",
+        response_format="b64_json", extra_body={"num_inference_steps": steps, "seed": SEED}))
+    return {"image": decode_image(body["data"][0]["b64_json"]), "s": took}
+
+
+def qwen_edit_chat(client, model: str, steps: int) -> dict:
+    parts = [{"type": "text", "text": EDIT_PROMPT}] + [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                            + base64.b64encode(data).decode()}}
+        for data in reference_images()]
+    body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": parts}], modalities=["image"],
+        seed=SEED, extra_body={"height": IMAGE_SIZE, "width": IMAGE_SIZE,
+                               "num_inference_steps": steps}))
+    urls = chat_images(body)
+    if len(urls) != 1:
+        raise RuntimeError(f"expected one image, got {len(urls)}: {json.dumps(body)[:400]}")
+    return {"image": decode_image(urls[0]), "s": took}
+
+
+def concurrently(fns: list) -> tuple[list[dict], float]:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        results = [f.result() for f in [pool.submit(fn) for fn in fns]]
+    return results, round(time.perf_counter() - start, 3)
+
+
+def omni_endpoint(url: str, path: str, payload: dict, timeout: float) -> dict:
+    import httpx
+
+    start = time.perf_counter()
+    try:
+        r = httpx.post(url + path, json=payload, timeout=timeout)
+        return {"status": r.status_code, "body": r.text[:2000],
+                "s": round(time.perf_counter() - start, 3)}
+    except httpx.HTTPError as exc:
+        return {"status": None, "body": repr(exc), "s": round(time.perf_counter() - start, 3)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording
+# ---------------------------------------------------------------------------------------------
+
+class Recorder:
+    """``result.json`` in ``outdir``, rewritten after every step; images as ``.npy`` beside it."""
+
+    def __init__(self, outdir: str, base: dict, stats_template: str = ""):
+        self.outdir, self.stats_template = outdir, stats_template
+        self.report = dict(base, requests={})
+        self.write()
+
+    def write(self) -> None:
+        tmp = os.path.join(self.outdir, "result.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.report, f, indent=2, default=str)
+        os.replace(tmp, os.path.join(self.outdir, "result.json"))
+
+    def image(self, array, stem: str) -> dict:
+        import numpy as np
+
+        np.save(os.path.join(self.outdir, f"{stem}.npy"), array)
+        return {"npy": f"{stem}.npy", "shape": list(array.shape), "mean": float(array.mean()),
+                "sha256": hashlib.sha256(array.tobytes()).hexdigest()}
+
+    def entry(self, kind: str, result: dict) -> dict:
+        entry = {}
+        for key, value in result.items():
+            entry[key] = self.image(value, kind) if key == "image" else value
+        return entry
+
+    def add(self, kind: str, entry: dict) -> None:
+        entry["stats"] = stats_snapshots(self.stats_template)
+        self.report["requests"][kind] = entry
+        self.write()
+
+
+def stats_snapshots(template: str) -> list[dict]:
+    """What the server's processes last wrote to ``VLLM_OMNI_GRAPHDECODE_STATS_FILE``."""
+    if template in ("", "0"):
+        return []
+    snaps = []
+    for path in sorted(glob.glob(template.replace("{pid}", "*"))):
+        try:
+            with open(path) as f:
+                snaps.append(dict(json.load(f), file=os.path.basename(path)))
+        except (OSError, ValueError) as exc:  # being rewritten this instant
+            snaps.append({"file": os.path.basename(path), "error": repr(exc)})
+    return snaps
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+# ---------------------------------------------------------------------------------------------
+
+def _step(rec: Recorder, kind: str, fn) -> dict | None:
+    print(f"e2e_serve: {kind} ...", flush=True)
+    try:
+        entry = fn()
+    except Exception as exc:  # noqa: BLE001 - recorded; the next kind's evidence still counts
+        entry = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        print(f"e2e_serve: {kind}: FAILED: {entry['error']}", flush=True)
+    rec.add(kind, entry)
+    return entry
+
+
+def _sleep_phase(rec: Recorder, url: str, again, args) -> None:
+    """Level 1 then level 2 through vllm-omni's endpoints; the first request after each."""
+    timeout = args.request_timeout
+    for level in (1, 2):
+        def run(level=level):
+            entry = {"sleep": omni_endpoint(url, SLEEP_ENDPOINTS[0],
+                                            {"stage_ids": [0], "level": level}, timeout)}
+            entry["wakeup"] = omni_endpoint(url, SLEEP_ENDPOINTS[1], {"stage_ids": [0]}, timeout)
+            entry.update(rec.entry(f"sleep_level{level}_after", again()))
+            return entry
+        _step(rec, f"sleep_level{level}", run)
+
+
+def run_sensenova(rec: Recorder, client, url: str, model: str, args) -> None:
+    _step(rec, "sensenova_text", lambda: rec.entry(
+        "sensenova_text", sensenova_text(client, model, SENSENOVA_PROMPT, args.text_tokens)))
+    _step(rec, "sensenova_think_image", lambda: rec.entry(
+        "sensenova_think_image", sensenova_think_image(client, model, args.sensenova_steps)))
+
+    def concurrent():
+        serial = [sensenova_text(client, model, p, args.text_tokens)
+                  for p in SENSENOVA_CONCURRENT_PROMPTS]
+        together, wall = concurrently([
+            (lambda p=p: sensenova_text(client, model, p, args.text_tokens))
+            for p in SENSENOVA_CONCURRENT_PROMPTS])
+        return {"prompts": list(SENSENOVA_CONCURRENT_PROMPTS), "serial": serial,
+                "concurrent": together, "concurrent_wall_s": wall,
+                "serial_s": round(sum(r["s"] for r in serial), 3)}
+    _step(rec, "sensenova_concurrent", concurrent)
+    if not args.no_sleep:
+        _sleep_phase(rec, url, lambda: sensenova_text(client, model, SENSENOVA_PROMPT,
+                                                      args.text_tokens), args)
+
+
+def run_qwen(rec: Recorder, client, url: str, model: str, args, only_t2i: bool = False) -> None:
+    _step(rec, "qwen_t2i", lambda: rec.entry("qwen_t2i", qwen_t2i(client, model, args.qwen_steps)))
+    if only_t2i:
+        return
+    _step(rec, "qwen_edit", lambda: rec.entry("qwen_edit", qwen_edit(client, model,
+                                                                     args.qwen_steps)))
+    _step(rec, "qwen_edit_chat", lambda: rec.entry("qwen_edit_chat", qwen_edit_chat(
+        client, model, args.qwen_steps)))
+
+    n = args.concurrent
+    kind = f"qwen_concurrent_{n}"
+
+    def concurrent():
+        seeds = list(range(100, 100 + n))
+        serial = [qwen_t2i(client, model, args.qwen_steps, seed) for seed in seeds]
+        together, wall = concurrently([(lambda s=s: qwen_t2i(client, model, args.qwen_steps, s))
+                                       for s in seeds])
+        entry = {"seeds": seeds, "concurrent_wall_s": wall,
+                 "serial_s": round(sum(r["s"] for r in serial), 3),
+                 "serial": [rec.entry(f"{kind}-serial-{s}", r) for s, r in zip(seeds, serial)],
+                 "concurrent": [rec.entry(f"{kind}-concurrent-{s}", r)
+                                for s, r in zip(seeds, together)]}
+        return entry
+    _step(rec, kind, concurrent)
+    if not args.no_sleep:
+        _sleep_phase(rec, url, lambda: qwen_t2i(client, model, args.qwen_steps), args)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ)
+    env.update(item.split("=", 1) for item in args.env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    server = Server(args.model, args.serve_arg, env, os.path.join(args.out, "server.log"))
+    shown = {k: v for k, v in env.items()
+             if k.startswith(("VLLM_OMNI_GRAPHDECODE", "VLLM_PLUGINS", "DIFFUSION_", "CUDA_VISIBLE"))}
+    rec = Recorder(args.out, {"scenario": args.scenario, "cmd": server.cmd, "env": shown,
+                              "client_pid": os.getpid()},
+                   env.get("VLLM_OMNI_GRAPHDECODE_STATS_FILE", ""))
+    print(f"e2e_serve: starting {' '.join(server.cmd)}", flush=True)
+    server.start()
+    rec.report["server_pid"] = server.proc.pid
+    state, took = server.wait_ready(args.init_timeout)
+    rec.report.update(start=state, start_s=took)
+    rec.write()
+    failed = False
+    try:
+        if args.scenario == "refusal" or state != "ready":
+            rec.report["log_tail"] = server.log_tail()
+            failed = args.scenario != "refusal"
+            return 1 if failed or state == "ready" else 0
+        client = make_client(server.url, args.request_timeout)
+        models = client.models.list()
+        model = models.data[0].id  # the name the server answers to (the path unless renamed)
+        rec.report["model"] = model
+        if args.scenario == "sensenova":
+            run_sensenova(rec, client, server.url, model, args)
+        else:
+            run_qwen(rec, client, server.url, model, args, only_t2i=args.scenario == "qwen_t2i")
+        failed = any("error" in e for e in rec.report["requests"].values())
+    except Exception as exc:  # noqa: BLE001 - recorded in result.json, and the run fails
+        rec.report["error"] = f"{type(exc).__name__}: {exc}"
+        rec.report["traceback"] = traceback.format_exc()
+        failed = True
+    finally:
+        rec.report["stop_rc"] = server.stop()
+        rec.report["rc"] = server.proc.returncode
+        time.sleep(0.5)  # let the exit-time stats writes land
+        rec.report["final_stats"] = stats_snapshots(rec.stats_template)
+        rec.report["total_s"] = server.elapsed()
+        rec.write()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
