@@ -198,14 +198,15 @@ def test_gpu_one_kernel_kv_write_equals_index_copy():
 
 
 def test_gpu_fused_step_matches_the_models_own_step(gpu):
-    """Fused step (rope once, vllm's fused norms + SiLU) vs the model's own step, both paged on
-    the same kernel without graphs, fed the same tokens for 200 steps across two buckets. Rope is
-    bit-identical (test above); the norms differ in the fp32 sum order only, so the logits agree
-    within bf16 rounding carried through the layers: 2% of the largest logit."""
+    """Fused step (rope once, vllm's fused norms + SiLU, Inductor GEMVs) vs the model's own step,
+    both paged on the same kernel without graphs, fed the same tokens for 200 steps across two
+    buckets. Rope is bit-identical (test above); the norms and GEMVs differ in the fp32 sum order
+    only, so the logits agree within bf16 rounding carried through the layers: 2% of the largest
+    logit."""
     layout = _fused_layout(gpu)
     fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
     expected = ["rope once per step"] if layout.rope_per_layer else []
-    assert fusion.describe() == expected + ["fused norms + SiLU"], fusion.reasons
+    assert fusion.describe() == expected + ["fused norms + SiLU", "Inductor GEMVs"], fusion.reasons
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
     _, cache_plain, _ = st.prefill(pipe, gpu.ids)
@@ -227,6 +228,36 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
     fused.release()
     plain.release()
     assert worst < 2e-2
+
+
+def test_gpu_inductor_gemv_agrees_with_the_module_and_leaves_lora_wrappers_alone(gpu):
+    """The compiled GEMV against each linear layer's own forward (cuBLAS) at the model's shapes,
+    and at the real ones on loose weights; a LoRA-wrapped layer is called as itself."""
+    from vllm_omni_graphdecode import gemv
+
+    found = gemv.select_gemv("cuda")
+    assert isinstance(found, gemv.Gemv), found
+    layer = gpu.lm.model.layers[0]
+    modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for module in modules:
+            assert found.plain(module), type(module).__name__
+            x = torch.randn(1, 1, module.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            want = module(x)[0].float()
+            got = found(module, x).float()
+            assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+        for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)):
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+            want = (x.float() @ w.float().T)
+            got = found._fn(x, w, None).float()
+            assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item(), (n, k)
+    lm = _build_lm(gpu.tok)
+    st.add_lora_wrappers(lm)
+    wrapped = lm.model.layers[0].self_attn.o_proj
+    assert not found.plain(wrapped), type(wrapped).__name__
 
 
 def test_gpu_graph_replay_matches_eager_step_token_for_token_over_340_steps(gpu):

@@ -144,14 +144,19 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
             return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
         # One query token attends to every valid cached key, so the mask (all zeros in 0.24-0.28,
         # None in 0.30) carries nothing and is not read.
-        if step.fusion is not None and step.fusion.rope_kernel is not None:
-            query, key, value = step.fusion.project_and_rope(attn, hidden_states, indexes, step)
+        fusion = step.fusion
+        if fusion is not None and fusion.rope_kernel is not None:
+            query, key, value = fusion.project_and_rope(attn, hidden_states, indexes, step)
         else:
+            qkv_proj = attn.qkv_proj if fusion is None else fusion.projection(attn.qkv_proj)
             query, key, value = attn._project_and_rope(
-                hidden_states, layout.rope_input(indexes, kwargs), attn.qkv_proj, attn.q_norm,
+                hidden_states, layout.rope_input(indexes, kwargs), qkv_proj, attn.q_norm,
                 attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
         out = step.cache.attend(attn.layer_idx, query, key, value, attn.scaling)
-        out, _ = attn.o_proj(out.reshape(*hidden_states.shape[:-1], -1))
+        out = out.reshape(*hidden_states.shape[:-1], -1)
+        if fusion is not None:
+            return fusion.linear(attn.o_proj, out)
+        out, _ = attn.o_proj(out)
         return out
 
     forward_und.__graphdecode__ = True

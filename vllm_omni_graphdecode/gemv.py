@@ -1,0 +1,99 @@
+"""Batch-1 linear layers (GEMVs) of a decode step through Inductor's tuned reduction.
+
+Why: at one token a decoder layer's linear layers are GEMVs that must read their weights once,
+and cuBLAS does not reach the bandwidth the GPU has for the small ones. Measured on the H200
+inside CUDA graphs at SenseNova-U1's shapes (``benchmarks/gemv.py``,
+``benchmarks/results/h200-2026-12-01/gemv.json``; read bandwidth of a graphed sum 4.33 TB/s):
+
+    shape (N x K)        cuBLAS    Inductor, coordinate-descent tuned reduction
+    o_proj 4096x4096     12.5 us   9.2 us
+    qkv    6144x4096     15.6 us   13.3 us
+    down   4096x12288    28.7 us   25.9 us
+    gate_up 24576x4096   48.0 us   45.3 us
+
+cuBLASLt, cuBLAS without split-K, Inductor's Triton mm templates and vllm's linear dispatch were
+no faster than cuBLAS (vllm's skinny-GEMM kernels are ROCm-only); a hand-written Triton GEMV
+was between the two. Inductor, with ``coordinate_descent_tuning``, turns an M = 1 matmul into a
+multiply + sum reduction and tunes its block sizes: that is what runs here, compiled once per
+weight shape (the weight is an argument, so one compiled kernel serves every layer).
+
+The fp32 accumulation order differs from cuBLAS's, so results differ in the last bits of bf16:
+this belongs to the fused step, never to the exact one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .reasons import Reason
+
+NO_GEMV = Reason("Inductor GEMVs unavailable",
+                 "a CUDA GPU with Triton (the step's linear layers then run through cuBLAS)")
+# vllm linear layers whose forward at tensor-parallel size 1 is quant_method.apply(x, weight,
+# bias), i.e. F.linear: anything else (LoRA wrappers, quantised weights, a bias returned apart)
+# is called as the module itself.
+PLAIN_LINEARS = ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
+                 "RowParallelLinear", "ReplicatedLinear")
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+class Gemv:
+    """``gemv(module, x)``: ``module``'s output for ``x`` (batch 1), through the compiled
+    reduction when the module is a plain vllm linear layer, else through the module."""
+
+    name = "Inductor GEMVs (coordinate-descent tuned)"
+
+    def __init__(self):
+        self._fn = torch.compile(_linear, dynamic=False,
+                                 options={"coordinate_descent_tuning": True})
+
+    @staticmethod
+    def plain(module) -> bool:
+        """Checked at every call (inside a graph: once, at capture): a LoRA wrapper put in
+        place later must be called as itself."""
+        method = getattr(module, "quant_method", None)
+        bias = getattr(module, "bias", None)
+        return (type(module).__name__ in PLAIN_LINEARS
+                and type(method).__name__ == "UnquantizedLinearMethod"
+                and (bias is None or (torch.is_tensor(bias)
+                                      and not getattr(module, "skip_bias_add", False)))
+                and getattr(module, "tp_size", 1) == 1
+                and torch.is_tensor(getattr(module, "weight", None))
+                and "forward" not in vars(module)
+                and not module._forward_hooks and not module._forward_pre_hooks)
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        if self.plain(module):
+            return self._fn(x, module.weight, module.bias)
+        return module(x)[0]
+
+
+def select_gemv(device) -> Gemv | Reason:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NO_GEMV.because(f"device is {device}")
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return NO_GEMV.because("torch.utils._triton missing")
+    if not has_triton():
+        return NO_GEMV.because("Triton not usable on this device")
+    return Gemv()
+
+
+class Projection:
+    """``module`` called the way the model calls its projections (``out, bias = proj(x)``), with
+    ``gemv`` doing the work: what 0.30's ``_project_and_rope`` is handed for ``qkv_proj``."""
+
+    __slots__ = ("gemv", "module")
+
+    def __init__(self, gemv: Gemv, module):
+        self.gemv = gemv
+        self.module = module
+
+    def __call__(self, x):
+        return self.gemv(self.module, x), None
