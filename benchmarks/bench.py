@@ -243,6 +243,12 @@ def _think_times(lm, pipe, prompt: int, tokens: int, runs: int):
     return times, text
 
 
+def _agree(a: str, b: str) -> int:
+    """How many leading think tokens two texts share (the bench tokenizer: one word a token)."""
+    words = [a.split(), b.split()]
+    return next((i for i, (x, y) in enumerate(zip(*words)) if x != y), min(map(len, words)))
+
+
 def _plugin_variants(args, ctx):
     """(row name, FA version, settings) of every plugin side timed at ``ctx``: each FA version at
     the defaults; for the first, every ``--tokens-per-launch`` and the exact (model's own) step."""
@@ -285,14 +291,23 @@ def bench_think(args, rows, env):
     summary = sensenova_u1.install(pipe, cfg)
     times, ours_text = _think_times(lm, pipe, prompt, tokens, 4)
     ours = sorted(times[1:])[1]
-    words = [eager_text.split(), ours_text.split()]
-    agree = next((i for i, (a, b) in enumerate(zip(*words)) if a != b), min(map(len, words)))
+    counters = stats.snapshot()["counters"]
+    pipe.release_captured_graphs()
     log(f"think {tokens}: ours {ours:.0f} ms ({summary})")
+    # The exact step (the model's own modules in the graph): what the fused one is measured against.
+    exact_pipe = rm.build_pipeline(lm, tok, device="cuda")
+    sensenova_u1.install(exact_pipe, config.parse({
+        "VLLM_OMNI_GRAPHDECODE": "sensenova_u1", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
+    (exact_ms,), exact_text = _think_times(lm, exact_pipe, prompt, tokens, 1)
+    exact_pipe.release_captured_graphs()
     rows.append(common.case(f"sensenova_think_{tokens}", eager, ours, floor,
                             prompt_tokens=prompt, think_tokens=tokens, first_ms=round(times[0], 2),
-                            tokens_agree_with_eager=agree, counters=stats.snapshot()["counters"],
-                            **extra))
-    pipe.release_captured_graphs()
+                            tokens_agree_with_eager=_agree(eager_text, ours_text),
+                            exact_step_ms=round(exact_ms, 2),
+                            exact_tokens_agree_with_eager=_agree(eager_text, exact_text),
+                            tokens_agree_with_exact_step=_agree(exact_text, ours_text),
+                            counters=counters, **extra))
     release_model_unless_needed(args)
 
 
