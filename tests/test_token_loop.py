@@ -225,3 +225,30 @@ def test_tokens_per_launch_setting_is_parsed_and_bad_values_are_named():
             config.parse({"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": bad})
     with pytest.raises(config.ConfigError, match="SENSENOVA_STEP='fast'.*fused, exact"):
         config.parse({"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fast"})
+
+
+def test_served_logits_answer_every_argmax_as_the_plain_tensor_does():
+    """The loops' argmax is answered from the token; every other way of reading the logits sees
+    the same values as a plain one-hot tensor, and a view that moves the token falls back to a
+    real scan."""
+    from vllm_omni_graphdecode.token_loop import ServedLogits
+
+    plain = torch.full((1, 1, 96), float("-inf"))
+    plain[0, 0, 37] = 0.0
+    served = plain.clone().as_subclass(ServedLogits)
+    served._token = 37
+    reverse = torch.arange(95, -1, -1)
+    cases = [
+        lambda x: torch.argmax(x[:, -1, :], dim=-1),
+        lambda x: x[:, -1, :].argmax(-1),
+        lambda x: x.argmax(dim=-1, keepdim=True),
+        lambda x: torch.argmax(x),
+        lambda x: torch.argmax(x[..., reverse], dim=-1),
+        lambda x: torch.softmax(x[:, -1, :] / 0.7, dim=-1),
+        lambda x: torch.multinomial(torch.softmax(x[:, -1, :], dim=-1), 1),
+    ]
+    for i, case in enumerate(cases):
+        got, want = case(served), case(plain)
+        assert type(got) is torch.Tensor or isinstance(got, ServedLogits)
+        assert torch.equal(torch.as_tensor(got).as_subclass(torch.Tensor), want), i
+    assert torch.argmax(served[:, -1, :], dim=-1).item() == 37
