@@ -201,8 +201,9 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
     """Fused step (rope once, vllm's fused norms + SiLU, Inductor GEMVs) vs the model's own step,
     both paged on the same kernel without graphs, fed the same tokens for 200 steps across two
     buckets. Rope is bit-identical (test above); the norms and GEMVs differ in the fp32 sum order
-    only, so the logits agree within bf16 rounding carried through the layers: 2% of the largest
-    logit."""
+    (and the GEMVs add their bias after the product rather than in cuBLAS's epilogue), so the
+    logits agree within bf16 rounding carried through the layers: 3% of the largest logit
+    (measured on the H200: 1.5% before the GEMVs were compiled, 2.1% with them)."""
     layout = _fused_layout(gpu)
     fusion = hook.Fusion.select(gpu.lm, layout, "cuda")
     expected = ["rope once per step"] if layout.rope_per_layer else []
@@ -227,7 +228,7 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu):
             token = b[:, -1].argmax(-1)
     fused.release()
     plain.release()
-    assert worst < 2e-2
+    assert worst < 3e-2
 
 
 def test_gpu_inductor_gemv_agrees_with_the_module_and_leaves_lora_wrappers_alone(gpu):
