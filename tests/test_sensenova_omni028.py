@@ -91,6 +91,15 @@ def test_028_moved_signature_is_refused_untouched(report):
 
 # ---------------------------------------------------------------------------------- the child
 
+def test_028_denoising_branch_steps_equal_the_pipelines_own(report):
+    """vllm-omni 0.28's layout computes the rope tables in every layer; the plugin's generation
+    forward must still equal the pipeline's (three steps of the one branch CFG 1 runs)."""
+    r = report["denoise"]
+    assert "image denoising: each CFG branch's step replayed" in r["summary"], r["summary"]
+    assert r["steps"] == r["eager_steps"] == 3 and r["equal"]
+    assert r["static_steps"] == 3 and r["fallbacks"] == {}
+
+
 def _method_source(path: Path, cls: str, name: str) -> str:
     """A method's source read from the file: 0.28's worker module itself does not import on
     vllm 0.30 (it needs ``vllm.inputs.preprocess``), and only its text is needed here."""
@@ -271,7 +280,55 @@ def _child(omni_path: str) -> dict:
         and all("forward_und" not in vars(l.self_attn) and "_forward_und" not in vars(l)
                 for l in fresh.model.layers),
     }
+    out["denoise"] = _denoise_vs_eager(st, hook, kernels, config, stats)
     return out
+
+
+def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
+    """0.28's whole pipeline from the tiny checkpoint: every denoising branch step through the
+    plugin's static-buffer step (the backport layout: rope tables in every layer) against the
+    pipeline's own, for a text-to-image request. CFG off (one branch): 0.28's CFG mixin asks for
+    its own classifier-free-guidance process group, which this CPU child does not set up; the
+    branch step is the same code either way (CFG on: the 0.30 tests and the GPU)."""
+    import importlib.util
+    import tempfile
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_checkpoints", REPO / "examples" / "make_tiny_checkpoints.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    tmp = tempfile.mkdtemp(prefix="omni028_ckpt_")
+    module.main([tmp])
+    ckpt = os.path.join(tmp, "sensenova_u1")
+    request = st.image_request(num_steps=3, cfg_scale=1.0)
+
+    def run(pipe):
+        calls = []
+        inner = pipe._t2i_predict_v
+
+        def recorded(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            calls.append(out.clone())
+            return out
+
+        pipe._t2i_predict_v = recorded
+        with torch.inference_mode():
+            pipe._forward_t2i(request)
+        return calls
+
+    want = run(st.load_sensenova_pipeline(ckpt, dtype=torch.bfloat16))
+    stats.reset()
+    pipe = st.load_sensenova_pipeline(ckpt, dtype=torch.bfloat16)
+    summary = hook.install(pipe, config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                                               "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"}),
+                           None, kernel=kernels.REFERENCE, graphs=False, image_graphs=False)
+    got = run(pipe)
+    return {"summary": summary, "steps": len(got), "eager_steps": len(want),
+            "equal": len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)),
+            "static_steps": stats.get("sensenova_u1_image", "static_step"),
+            "fallbacks": stats.fallbacks("sensenova_u1_image")}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:

@@ -20,6 +20,7 @@ PRECAPTURE_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE"
 PRECAPTURE_BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS"
 TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
 SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
+SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -149,6 +150,11 @@ SETTINGS: tuple[Setting, ...] = (
             "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
             "add and SiLU through vllm's fused kernels, rope tables once per step; rounding order "
             "differs slightly) or exact (the model's own modules, as its eager step computes)."),
+    Setting(SENSENOVA_DENOISE_VAR, "off", _choice("off", "graph"), "sensenova_denoise",
+            "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
+            "own code, over static prefix + image K/V buffers per request branch) as a CUDA "
+            "graph; off leaves the pipeline's steps as they are. Off by default until measured "
+            "on a GPU."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),
@@ -186,6 +192,7 @@ class Config:
     stats_file: str = ""
     tokens_per_launch: int = 8
     sensenova_step: str = "fused"
+    sensenova_denoise: str = "off"
 
     @property
     def enabled(self) -> bool:

@@ -96,11 +96,17 @@ class PrefixKey:
     dtype: torch.dtype
     device: str
     backend: str  # the attention backend the step dispatches to
+    # Python values the step bakes into its graph (a clamp bound, a flag), as sorted (name, value)
+    # pairs: entries with other values never share a graph. The step reads them from
+    # ``StaticBuffers.key``.
+    consts: tuple = ()
 
     def __str__(self) -> str:
         target = "x".join(str(t) for t in self.target)
+        consts = "".join(f" {name}={value}" for name, value in self.consts)
         return (f"batch={self.batch} prefix={self.prefix_len} target={target} "
-                f"{str(self.dtype).replace('torch.', '')} {self.device} attn={self.backend}")
+                f"{str(self.dtype).replace('torch.', '')} {self.device} attn={self.backend}"
+                f"{consts}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +123,7 @@ class StaticBuffers:
     # With ``tail``: per layer (k, v) of prefix + tail tokens along dim 1, whose first rows are
     # ``prefix`` (views); a step writes its own K/V into the tail in place (no concatenation).
     kv: list[tuple[Tensor, Tensor]] | None = None
+    key: PrefixKey | None = None  # the entry's key (its ``consts`` are the step's Python values)
 
 
 @dataclasses.dataclass(eq=False)
@@ -290,6 +297,7 @@ class PrefixGraphs:
                 request={name: _alloc_like(t) for name, t in request.items()},
                 step={name: _alloc_like(t) for name, t in step.items()},
                 kv=kv,
+                key=key,
             )
 
         try:

@@ -405,3 +405,49 @@ def synthetic_inputs(transformer, *, batch: int = 1, text_tokens: int = 256,
         img_shapes=[[(1, h, w) for h, w in reference_shapes] + [(1, th, tw)]] * batch,
         img_mask=img_mask,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# SenseNova-U1, the whole pipeline (image generation included)
+# ---------------------------------------------------------------------------------------------
+
+def load_sensenova_pipeline(checkpoint: str, *, device: str = "cpu", dtype=torch.float32):
+    """vllm-omni's ``SenseNovaU1Pipeline`` built by its own ``__init__`` from ``checkpoint`` (a
+    directory ``examples/make_tiny_checkpoints.py`` writes) and loaded as vLLM-Omni's loader
+    does: every module real, the image heads and the generation pathway included."""
+    setup_runtime(device)
+    from vllm.config import LoadConfig
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    od_config = OmniDiffusionConfig(model=checkpoint, dtype=dtype)
+    with set_default_torch_dtype(dtype):  # as the loader builds it
+        pipe = pipeline_module().SenseNovaU1Pipeline(od_config=od_config)
+    loader = DiffusersPipelineLoader(LoadConfig(), od_config)
+    pipe.load_weights(loader._get_weights_iterator(pipe.weights_sources[0]))
+    # What the loader's load_model does next: each linear layer's quant method finishes its
+    # weights (on vllm's CPU platform the unquantized method builds its ``cpu_linear`` here).
+    loader._process_weights_after_loading(pipe, torch.device(device))
+    return pipe.to(device).eval()
+
+
+def image_request(prompt: str = "a red cube on a table", **overrides) -> SimpleNamespace:
+    """The parsed request ``SenseNovaU1Pipeline._forward_t2i`` / ``_forward_it2i`` take, with
+    ``_parse_request``'s fields and defaults (CFG 4, 3 steps, 64x64 here)."""
+    values = dict(first_prompt=prompt, prompt=prompt, extra_args={}, image_size=(64, 64),
+                  num_steps=3, cfg_scale=4.0, img_cfg_scale=1.0, cfg_norm="none",
+                  timestep_shift=3.0, cfg_interval=(0.0, 1.0), batch_size=1, seed=0,
+                  think_mode=False, t_eps=0.02)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def reference_images(n: int = 2, size: int = 48, seed: int = 3) -> list:
+    """``n`` random RGB PIL images (edit requests' reference images)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size + 16 * i, 3), dtype=np.uint8))
+            for i in range(n)]

@@ -74,13 +74,15 @@ class Wiring:
         self.sessions.release()
 
 
-def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = None) -> str:
+def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = None,
+            image_graphs: bool | None = None) -> str:
     """Wire ``pipeline``; returns the one-line summary. HookRefused leaves it untouched.
 
     ``kernel``/``graphs`` override the kernel selection and the graph switch (tests run the paged
-    path on CPU with ``kernels.REFERENCE`` and ``graphs=False``).
+    path on CPU with ``kernels.REFERENCE`` and ``graphs=False``); ``image_graphs=False`` runs the
+    denoising branches' static-buffer step without capture on any device (CPU tests).
     """
-    if getattr(pipeline, STATE_ATTR, None) is not None:
+    if getattr(pipeline, STATE_ATTR, None) is not None or getattr(pipeline, IMAGE_ATTR, None):
         return "already wired"
     lm = getattr(pipeline, "language_model", None)
     if lm is None:
@@ -89,8 +91,10 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     cls = type(pipeline)
     layout = layouts.detect_layout(lm, cls)
     if layout.in_tree and cfg.sensenova_intree == "defer":
+        image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None)
         return (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
-                f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer); nothing wired")
+                f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer); decode not wired; "
+                f"{image}")
     originals = {name: check_signature(cls, name, params)
                  for name, params in layouts.PIPELINE_METHODS.items()}
     if layout.in_tree:
@@ -127,8 +131,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         wiring, bound["_append_text_tokens_to_cache"])
     if layout.in_tree:
         pipeline._decode_context = _decode_context_taken_over
-    _wire_release(pipeline, wiring, runner)
     setattr(pipeline, STATE_ATTR, wiring)
+    image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=wiring)
 
     if isinstance(kernel, kernels.Kernel):
         what = f"{kernel.name}, {'CUDA graphs' if graphs else 'no graphs'}"
@@ -145,7 +149,37 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     taken = "; in-tree decode context taken over" if layout.in_tree else ""
     return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode paged "
             f"({what}; step {step_line}); buckets {buckets} (+{tail} tail){taken}; "
-            f"{wiring.precapture()}")
+            f"{wiring.precapture()}; {image}")
+
+
+IMAGE_ATTR = "_graphdecode_sensenova_u1_image"
+
+
+def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
+    """Wire the denoising branches (``denoise.py``) when asked, and the sleep release of what was
+    wired (``decode``'s sessions, the denoiser's entries); returns the summary's clause."""
+    from ...config import SENSENOVA_DENOISE_VAR
+    from . import denoise
+
+    releases = [decode.release] if decode is not None else []
+    clause = f"image denoising: the pipeline's own steps ({SENSENOVA_DENOISE_VAR}=off)"
+    if cfg.sensenova_denoise != "off":
+        try:
+            if decode is None:
+                unreachable = patching.can_release_on_sleep(runner)
+                if unreachable is not None:
+                    raise HookRefused(unreachable)
+            denoiser = denoise.install(pipeline, layout, cfg, capture=capture)
+        except HookRefused as exc:
+            stats.refused(denoise.MODEL, exc.reason)
+            clause = f"image denoising not wired: {exc.reason.describe()}"
+        else:
+            setattr(pipeline, IMAGE_ATTR, denoiser)
+            releases.append(denoiser.release)
+            clause = denoiser.describe()
+    if releases:
+        _wire_release(pipeline, releases, runner)
+    return clause
 
 
 def _step_parts(lm, layout, device, dtype, step: str = "fused"):
@@ -267,12 +301,14 @@ def _decode_context_taken_over(past_key_values):
     return None
 
 
-def _wire_release(pipeline, wiring: Wiring, runner) -> None:
+def _wire_release(pipeline, releases, runner) -> None:
     previous = getattr(pipeline, "release_captured_graphs", None)  # 0.30's in-tree one, if any
 
     def release_captured_graphs() -> None:
-        """Drop this plugin's decode graphs and paged K/V (and the in-tree ones, if any)."""
-        wiring.release()
+        """Drop this plugin's graphs: decode graphs and paged K/V, denoising entries (and the
+        in-tree ones, if any)."""
+        for release in releases:
+            release()
         if previous is not None:
             previous()
 

@@ -1,0 +1,273 @@
+"""SenseNova-U1 image denoising through ``prefix_graph`` (issue #13), on CPU, on vllm-omni's real
+pipeline built from the tiny checkpoint (``examples/make_tiny_checkpoints.py``: every module
+real, random weights, bf16).
+
+On CPU the branch step runs over the entry's static buffers without capture
+(``install(..., image_graphs=False)``): the same step body a graph records on a GPU, so equality
+with the pipeline's own steps here is equality of what the graph computes; the capture itself is
+tested on the GPU (``tests/test_sensenova_denoise_gpu.py``). Without that override a CPU pipeline
+runs its own steps with the reason counted, as production does.
+"""
+
+import importlib.util
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_graphdecode import config, patching, stats
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
+from vllm_omni_graphdecode.testing import random_models as rm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = denoise.MODEL
+
+
+def _cfg(**env):
+    values = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+              "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"}
+    values.update(env)
+    return config.parse(values)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_checkpoints", os.path.join(ROOT, "examples", "make_tiny_checkpoints.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path_factory.mktemp("tiny_ckpts")
+    assert module.main([str(out)]) == 0
+    return str(out / "sensenova_u1")
+
+
+# bf16, as served: vllm-omni's edit path casts the reference images to bf16 whatever the model's
+# dtype.
+DTYPE = torch.bfloat16
+
+
+def _pipeline(checkpoint, cfg=None, **install):
+    pipe = rm.load_sensenova_pipeline(checkpoint, dtype=DTYPE)
+    summary = None
+    if cfg is not None:
+        summary = hook.install(pipe, cfg, install.pop("runner", None), **install)
+    return pipe, summary
+
+
+def _record(pipe):
+    """Every branch step's result (and its branch cache), through whatever the pipeline calls."""
+    calls = []
+    inner = pipe._t2i_predict_v
+
+    def recorded(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        calls.append((kwargs.get("past_key_values"), out.clone()))
+        return out
+
+    pipe._t2i_predict_v = recorded
+    return calls
+
+
+def _run(pipe, request, images=None):
+    with torch.inference_mode():
+        if images is None:
+            out = pipe._forward_t2i(request)
+        else:
+            out = pipe._forward_it2i(request, images)
+    return np.asarray(out.output["payload"]["image"])
+
+
+def _branches(calls):
+    """The branch caches in the order each was first seen."""
+    seen = []
+    for cache, _ in calls:
+        if all(cache is not c for c in seen):
+            seen.append(cache)
+    return seen
+
+
+CASES = {
+    "t2i_cfg4": (rm.image_request(), 0, 2),
+    "t2i_cfg1": (rm.image_request(cfg_scale=1.0), 0, 1),
+    "t2i_cfg_zero_star": (rm.image_request(cfg_norm="cfg_zero_star", num_steps=2), 0, 2),
+    # cfg 4 with image cfg 2: cond, img_cond and uncond branches every step
+    "edit_two_refs_three_branches": (rm.image_request(img_cfg_scale=2.0, num_steps=2), 2, 3),
+    # image cfg 1: cond and img_cond
+    "edit_two_refs_img_cond": (rm.image_request(num_steps=2), 2, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoint):
+    """The unwired pipeline's image and branch steps, per case."""
+    pipe, _ = _pipeline(checkpoint)
+    results = {}
+    for name, (request, refs, _) in CASES.items():
+        calls = _record(pipe)
+        image = _run(pipe, request, rm.reference_images(refs) if refs else None)
+        results[name] = (image, [out for _, out in calls], len(_branches(calls)))
+        del pipe._t2i_predict_v
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_static_branch_steps_equal_the_pipelines_own_steps(checkpoint, eager, case):
+    request, refs, branches = CASES[case]
+    pipe, summary = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    assert "image denoising: each CFG branch's step replayed" in summary
+    calls = _record(pipe)
+    image = _run(pipe, request, rm.reference_images(refs) if refs else None)
+    want_image, want_steps, want_branches = eager[case]
+    assert want_branches == branches == len(_branches(calls))
+    assert len(calls) == len(want_steps) == request.num_steps * branches
+    for i, ((_, got), want) in enumerate(zip(calls, want_steps)):
+        assert torch.equal(got, want), f"branch step {i} differs by {(got - want).abs().max()}"
+    assert np.array_equal(image, want_image)
+    assert stats.get(MODEL, "static_step") == len(calls)
+    assert stats.get(MODEL, "eager_branch") == 0 and stats.fallbacks(MODEL) == {}
+    # the loop returned: every branch's entry is back in the pool, none lost
+    info = pipe._graphdecode_sensenova_u1_image.graphs.info()
+    assert info["live"] == 0 and info["entries"] == branches
+
+
+def test_off_by_default_leaves_the_denoising_steps_alone(checkpoint, eager):
+    pipe, summary = _pipeline(checkpoint, config.parse({"VLLM_OMNI_GRAPHDECODE": "1"}))
+    assert "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off" in summary
+    assert "_t2i_predict_v" not in vars(pipe) and "_run_denoising_loop" not in vars(pipe)
+    assert getattr(pipe, wiring.IMAGE_ATTR, None) is None
+
+
+def test_on_cpu_each_branch_runs_the_pipelines_own_step_with_the_reason_counted_once(
+        checkpoint, eager):
+    pipe, _ = _pipeline(checkpoint, _cfg())  # production: graphs on CUDA only
+    request = CASES["t2i_cfg4"][0]
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    stats.logger.addHandler(handler)  # vllm's logging config may stop propagation to caplog
+    try:
+        for _ in range(2):
+            image = _run(pipe, request)
+    finally:
+        stats.logger.removeHandler(handler)
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    # counted once per request branch, warned once per process
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {denoise.NOT_CUDA.key}": 4}
+    assert stats.get(MODEL, "eager_branch") == 2 * 2 * request.num_steps
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 1 and denoise.NOT_CUDA.key in lines[0]
+    assert denoise.NOT_CUDA.hint in lines[0]
+
+
+@pytest.mark.parametrize("setting,reason", [
+    (("cache_backend", "cache_dit"), denoise.CACHE_BACKEND),
+    (("parallel_config.cfg_parallel_size", 2), denoise.PARALLEL),
+    (("enable_cpu_offload", True), hook.OFFLOAD),
+])
+def test_a_pipeline_the_step_cannot_serve_runs_its_own_steps_with_the_reason(
+        checkpoint, eager, setting, reason):
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    name, value = setting
+    owner = pipe.od_config
+    *path, attr = name.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    setattr(owner, attr, value)
+    image = _run(pipe, CASES["t2i_cfg4"][0])
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {reason.key}": 2}
+    assert stats.get(MODEL, "static_step") == 0
+
+
+def test_lora_wrappers_run_the_pipelines_own_steps(checkpoint):
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    rm.add_lora_wrappers(pipe.language_model)
+    _run(pipe, rm.image_request(num_steps=1))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {denoise.LORA.key}": 2}
+
+
+def test_two_requests_interleaved_step_by_step_equal_their_serial_runs(checkpoint):
+    """Two requests in flight (different prompts, so different prefixes) take turns at every
+    branch step: each has its own entries, and each equals its own run alone."""
+    requests = [rm.image_request("a red cube on a table", seed=1),
+                rm.image_request("two green spheres", seed=2)]
+    alone, _ = _pipeline(checkpoint)
+    serial = []
+    for request in requests:
+        calls = _record(alone)
+        serial.append((_run(alone, request), [out for _, out in calls]))
+        del alone._t2i_predict_v
+
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    inner = pipe._t2i_predict_v
+    turn = threading.Condition()
+    state = {"turn": 0, "live": 0}
+    results, outs = {}, {0: [], 1: []}
+    names = {}
+
+    def step(*args, **kwargs):
+        me = names[threading.get_ident()]
+        with turn:
+            turn.wait_for(lambda: state["turn"] == me, timeout=60)
+            out = inner(*args, **kwargs)
+            outs[me].append(out.clone())
+            live = pipe._graphdecode_sensenova_u1_image.graphs.info()["live"]
+            state["live"] = max(state["live"], live)
+            state["turn"] = 1 - me
+            turn.notify_all()
+        return out
+
+    pipe._t2i_predict_v = step
+
+    def worker(i):
+        names[threading.get_ident()] = i
+        results[i] = _run(pipe, requests[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert state["live"] == 4  # two requests x two branches, each with an entry of its own
+    for i in (0, 1):
+        assert np.array_equal(results[i], serial[i][0])
+        assert len(outs[i]) == len(serial[i][1])
+        assert all(torch.equal(a, b) for a, b in zip(outs[i], serial[i][1]))
+
+
+def test_entries_are_reused_across_requests_and_released_on_sleep(checkpoint, eager):
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    request = CASES["t2i_cfg4"][0]
+    for _ in range(3):
+        assert np.array_equal(_run(pipe, request), eager["t2i_cfg4"][0])
+        assert state.graphs.info() == {"entries": 2, "live": 0, "captured": 0, "eager_keys": 0}
+    pipe.release_captured_graphs()  # what vllm-omni's sleep level 2 reaches
+    assert state.graphs.info()["entries"] == 0
+    assert np.array_equal(_run(pipe, request), eager["t2i_cfg4"][0])
+    assert stats.get(MODEL, "static_step") == 4 * 2 * request.num_steps
+
+
+def test_a_moved_branch_step_leaves_denoising_unwired_with_the_reason(checkpoint):
+    pipe = rm.load_sensenova_pipeline(checkpoint, dtype=DTYPE)
+
+    class Moved(type(pipe)):
+        def _t2i_predict_v(self, embeds, indexes, mask, cache, t, z, tokens, **kw):
+            return super()._t2i_predict_v(embeds, indexes, mask, cache, t, z, tokens, **kw)
+
+    pipe.__class__ = Moved
+    summary = hook.install(pipe, _cfg(), None, image_graphs=False)
+    assert "image denoising not wired" in summary and "_t2i_predict_v" in summary
+    assert "_t2i_predict_v" not in vars(pipe)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {patching.SIGNATURE_MOVED.key}": 1}
+
+
+def test_bad_denoise_value_names_the_variable_and_what_is_accepted():
+    with pytest.raises(config.ConfigError) as err:
+        _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE="compiled")
+    assert str(err.value) == ("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE='compiled' is not "
+                              "accepted; accepted: off, graph")

@@ -1,0 +1,410 @@
+"""SenseNova-U1 image denoising: each CFG branch's step replayed as a CUDA graph over static buffers.
+
+Why
+    After think decode is fast, most of a SenseNova-U1 text-to-image request is its denoising:
+    upstream measured the think steps at 2.8 s of an 8.2 s request, and 50 steps with CFG 4 at
+    9.0 s on one H200. Every step runs the language model's generation pathway (``*_mot_gen``)
+    over the image tokens once per CFG branch (cond, uncond, and img_cond for edits), attending to
+    the branch's prefix K/V, which do not change during the request: vllm-omni 0.24-0.30 copy them
+    once into per-layer ``flash_k_cache`` / ``flash_v_cache`` buffers of prefix + image rows
+    (``prepare_flash_kv_cache``), and each step writes its image K/V into the tail. So a branch
+    step is one fixed kernel sequence per (branch, shape), the case ``prefix_graph`` exists for.
+
+What is replayed
+    The branch step is the pipeline's own ``_t2i_predict_v`` (its code, called with a stand-in
+    for ``self`` that forwards everything but the model), with the model's forward replaced by
+    ``GenForward``: the same decoder layers, norm and rope modules, in the same order and with the
+    same arguments as ``SenseNovaU1Model.forward`` passes on the generation path, less its two
+    host syncs (``image_gen_indicators.any().item()``, which a capture cannot hold). The graph
+    therefore computes what the pipeline computes, kernel for kernel: equal bit for bit (GPU test).
+    The rest of a denoising step (the generation vision embedding of the noisy image, the timestep
+    embedders, the CFG combination, the Euler update) stays the pipeline's own eager code.
+
+Per request and branch
+    The owner of a ``prefix_graph`` entry is the branch's cache object (one per branch and request),
+    so two requests in flight never share prefix buffers. At the branch's first step the prefix
+    rows are copied into the entry and the cache's ``flash_*`` buffers are re-pointed at the
+    entry's (no second copy of the K/V lives while the request runs); the entry goes back to the
+    pool when ``_run_denoising_loop`` returns. The timestep, the image embeddings and the latents
+    are copied into the entry's step buffers each step.
+
+Counted under ``sensenova_u1_image``: ``capture``, ``replay``, ``static_step`` (the static-buffer
+step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step), and
+each fallback by its reason, once per request branch.
+
+Not done yet (issue #13): a fused or compiled step body (this mode is ``exact``), graphing the
+per-step work outside the branches, and measurements on the GPU; until then it is off by default
+(``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph`` turns it on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import weakref
+
+import torch
+
+from ... import eligibility, prefix_graph, stats
+from ...patching import HookRefused, check_signature
+from ...reasons import Reason
+from . import layouts, rules
+
+MODEL = "sensenova_u1_image"
+
+# The pipeline's branch step and its callers, as vllm-omni 0.24-0.30 define them (0.30 adds a
+# ``t_eps`` parameter, which the stand-in passes through like any other value).
+PREDICT_V = ("self", "input_embeds", "indexes_image", "attn_mask", "past_key_values", "t", "z",
+             "image_token_num")
+LOOP = ("self", "ns", "caches", "p")
+GEN_FORWARD = ("self", "hidden_states", "indexes", "attention_mask", "past_key_values")
+# Tensors the step reads: copied into the entry (step: every step; request: once per branch).
+STEP_TENSORS = ("input_embeds", "t", "z")
+REQUEST_TENSORS = ("indexes_image",)
+NOT_CONSTANT = STEP_TENSORS + REQUEST_TENSORS + ("past_key_values", "attn_mask")
+
+NOT_CUDA = Reason("not on a CUDA device", "run SenseNova-U1 on an NVIDIA GPU")
+AUTOGRAD = Reason("autograd is enabled", "call the pipeline under torch.no_grad() (vllm-omni does)")
+CACHE_BACKEND = Reason("a cache backend (cache-dit, TeaCache) drives the denoising steps",
+                       "unset cache_backend (DIFFUSION_CACHE_BACKEND) for graph denoising: the "
+                       "backend decides in Python at every step which blocks run")
+PARALLEL = Reason("CFG-parallel or sequence-parallel denoising",
+                  "serve with cfg_parallel_size 1 and no sequence parallelism for graph denoising")
+LORA = Reason("dynamic LoRA wrappers in the language model",
+              "merge the LoRA into the weights (vllm-omni's SenseNova-U1 load_lora_weights does) "
+              "or serve without it")
+MASKED = Reason("the branch attends with an attention mask",
+                "report this: vllm-omni's denoising branches attend without one")
+NO_BUFFERS = Reason("the branch's cache has no prefix + image buffers (prepare_flash_kv_cache)",
+                    "report this with the vllm-omni version: the pipeline prepares them before "
+                    "denoising")
+ARGUMENTS = Reason("the branch step was called in a form this hook does not know",
+                   "report this with the vllm-omni version (python -m vllm_omni_graphdecode "
+                   "doctor)")
+QUANT_KV = Reason("prefix K/V not in the model's dtype",
+                  "keep the prefix K/V cache unquantized")
+NOT_WIRED = Reason("SenseNova-U1's denoising code moved",
+                   "use vllm-omni 0.24-0.30 (python -m vllm_omni_graphdecode doctor)")
+
+
+def check(pipeline, language_model) -> None:
+    """Everything the branch step calls or patches, checked before anything is patched."""
+    cls = type(pipeline)
+    check_signature(cls, "_t2i_predict_v", PREDICT_V)
+    check_signature(cls, "_run_denoising_loop", LOOP)
+    model = getattr(language_model, "model", None)
+    for name in ("layers", "norm_mot_gen"):
+        if getattr(model, name, None) is None:
+            raise HookRefused(NOT_WIRED.because(f"language_model.model has no {name}"))
+    layer = model.layers[0]
+    check_signature(type(layer), "_forward_gen", GEN_FORWARD)
+    check_signature(type(layer.self_attn), "forward_gen", GEN_FORWARD)
+
+
+class GenForward:
+    """``SenseNovaU1Model.forward`` on the generation path (every token an image token), for a
+    step a graph can hold: the model's own layers and norm, called as its forward calls them,
+    without reading ``image_gen_indicators`` back to the host. Returns what
+    ``SenseNovaU1ForCausalLM.forward(..., compute_logits=False)`` returns for that path."""
+
+    def __init__(self, language_model, layout: layouts.Layout):
+        self.lm = language_model
+        self.layout = layout
+
+    def __call__(self, inputs_embeds, image_gen_indicators, indexes, attention_mask,
+                 past_key_values, use_cache=True, compute_logits=False, **kwargs):
+        model = self.lm.model
+        hidden = inputs_embeds
+        extra = dict(kwargs)
+        if not self.layout.rope_per_layer:
+            # 0.30's forward builds the three rope tables once and hands them to every layer.
+            extra["position_embeddings"] = (
+                model.rotary_emb(hidden, indexes[0].unsqueeze(0)),
+                model.rotary_emb_hw(hidden, indexes[1].unsqueeze(0)),
+                model.rotary_emb_hw(hidden, indexes[2].unsqueeze(0)),
+            )
+        for layer in model.layers:
+            hidden = layer(hidden, image_gen_indicators=image_gen_indicators, exist_und=False,
+                           exist_gen=True, indexes=indexes, attention_mask=attention_mask,
+                           past_key_values=past_key_values, use_cache=use_cache, **extra)
+        return _Output(hidden_states=model.norm_mot_gen(hidden), past_key_values=past_key_values)
+
+
+@dataclasses.dataclass
+class _Output:
+    hidden_states: torch.Tensor
+    past_key_values: object
+    logits: None = None
+
+
+class _StandIn:
+    """``self`` for the pipeline's ``_t2i_predict_v`` inside the step: every attribute is the
+    pipeline's, except the two models it may call, which are ``GenForward``."""
+
+    def __init__(self, pipeline, forward: GenForward):
+        object.__setattr__(self, "_pipeline", pipeline)
+        object.__setattr__(self, "language_model", forward)
+        object.__setattr__(self, "denoising_transformer", forward)
+
+    def __getattr__(self, name):
+        return getattr(self._pipeline, name)
+
+
+class _LayerBuffers:
+    """One layer of the step's cache: the entry's prefix + image K/V rows, in the attributes
+    ``forward_gen`` reads (``prepare_flash_kv_cache``'s)."""
+
+    def __init__(self, k, v, prefix_len: int):
+        self.flash_k_cache, self.flash_v_cache = k, v
+        self.flash_prefix_len, self.flash_total_len = prefix_len, k.shape[1]
+        self.keys = self.values = None  # forward_gen with update_cache=False reads flash_* only
+
+
+class _BufferCache:
+    def __init__(self, kv, prefix_len: int):
+        self.layers = [_LayerBuffers(k, v, prefix_len) for k, v in kv]
+
+
+@dataclasses.dataclass
+class _Branch:
+    """What was decided for one branch cache (the owner) at its first step."""
+
+    entry: prefix_graph.Entry | None
+    reason: Reason | None = None
+
+
+class Denoiser:
+    """The denoising wiring of one pipeline: gate, per-branch entries, the replayed step."""
+
+    def __init__(self, pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None):
+        self.pipeline = pipeline
+        self.lm = pipeline.language_model
+        self.layout = layout
+        self.cfg = cfg
+        # None: graphs where the branch runs on CUDA, the pipeline's own step elsewhere.
+        # False: the static-buffer step without capture on any device (CPU tests).
+        self.capture = capture
+        predict = type(pipeline)._t2i_predict_v
+        self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
+        self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
+                                                max_entries=cfg.max_entries, verify=cfg.verify,
+                                                capture=capture is not False)
+        # id(branch cache) -> (weak reference to it, what was decided at its first step)
+        self._branches: dict[int, tuple[weakref.ref, _Branch]] = {}
+        self._lock = threading.Lock()
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _static_step(self, bufs: prefix_graph.StaticBuffers) -> torch.Tensor:
+        kwargs = dict(bufs.key.consts)
+        prefix_len = bufs.prefix[0][0].shape[1]
+        return self._step_code(
+            input_embeds=bufs.step["input_embeds"], t=bufs.step["t"], z=bufs.step["z"],
+            indexes_image=bufs.request["indexes_image"], attn_mask={"full_attention": None},
+            past_key_values=_BufferCache(bufs.kv, prefix_len), **kwargs)
+
+    # -- per call -----------------------------------------------------------------------------
+
+    def predict_v(self, original, args, kwargs):
+        """One branch step: the replayed graph's result, or the pipeline's own step."""
+        owner = kwargs.get("past_key_values")
+        branch = self._branch(owner, args, kwargs)
+        if branch.entry is not None:
+            step = {name: kwargs[name] for name in STEP_TENSORS}
+            eager = (lambda: original(*args, **kwargs)) if self.cfg.verify else None
+            out = self.graphs.run(branch.entry, step, eager=eager)
+            if out is not None:
+                return out
+            branch.entry = None  # the reason is counted by run(); the branch goes on eagerly
+        stats.count(MODEL, "eager_branch")
+        return original(*args, **kwargs)
+
+    def _branch(self, owner, args, kwargs) -> _Branch:
+        if owner is None or args:
+            reason = ARGUMENTS.because("positional arguments" if args else "no past_key_values")
+            self._refuse(reason)
+            return _Branch(None, reason)
+        with self._lock:
+            known = self._branches.get(id(owner))
+        if known is not None and known[0]() is owner:
+            branch = known[1]
+            # A bound branch whose entry was dropped since (sleep) binds again: its cache still
+            # holds the prefix rows the dropped entry had.
+            if branch.entry is None or self.graphs.lookup(owner) is branch.entry:
+                return branch
+        reason = self.gate(owner, kwargs)
+        entry = None
+        if reason is None:
+            entry = self._bind(owner, kwargs)
+        else:
+            self._refuse(reason)
+        branch = _Branch(entry, reason)
+        try:
+            ref = weakref.ref(owner)
+        except TypeError:
+            return branch  # bind() counted it; decided again at every step
+        with self._lock:
+            for key in [k for k, (r, _) in self._branches.items() if r() is None]:
+                del self._branches[key]
+            self._branches[id(owner)] = (ref, branch)
+        return branch
+
+    def _refuse(self, reason: Reason) -> None:
+        stats.fallback(MODEL, reason)
+
+    def gate(self, cache, kwargs) -> Reason | None:
+        """Why this branch runs the pipeline's own step, or None. Checked once per request
+        branch."""
+        z, t = kwargs.get("z"), kwargs.get("t")
+        missing = [n for n in STEP_TENSORS + REQUEST_TENSORS if not torch.is_tensor(kwargs.get(n))]
+        if missing:
+            return ARGUMENTS.because(f"not tensors: {', '.join(missing)}")
+        if self.capture is not False and z.device.type != "cuda":
+            return NOT_CUDA.because(f"device is {z.device}")
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            return AUTOGRAD
+        if t.dim() != 0:
+            return ARGUMENTS.because(f"timestep of shape {tuple(t.shape)}")
+        mask = kwargs.get("attn_mask")
+        if not (isinstance(mask, dict) and all(v is None for v in mask.values())):
+            return MASKED.because(type(mask).__name__)
+        reason = self.structure_reason()
+        if reason is not None:
+            return reason
+        layers = getattr(cache, "layers", None)
+        if not layers or len(layers) != len(self.lm.model.layers):
+            return NO_BUFFERS.because(f"{type(cache).__name__} has "
+                                      f"{len(layers) if layers else 0} layers")
+        dtype = kwargs["input_embeds"].dtype
+        image = kwargs["input_embeds"].shape[1]
+        prefix = getattr(layers[0], "flash_prefix_len", None)
+        for i, layer in enumerate(layers):
+            k, v = getattr(layer, "flash_k_cache", None), getattr(layer, "flash_v_cache", None)
+            if not (torch.is_tensor(k) and torch.is_tensor(v)):
+                return NO_BUFFERS.because(f"layer {i}")
+            if k.dtype != dtype or v.dtype != dtype:
+                return QUANT_KV.because(f"layer {i}: {k.dtype} with {dtype} activations")
+            if (getattr(layer, "flash_prefix_len", None) != prefix or k.shape[1] != prefix + image
+                    or v.shape != k.shape):
+                return NO_BUFFERS.because(f"layer {i}: rows {tuple(k.shape)} for prefix {prefix} "
+                                          f"+ {image} image tokens")
+        if not prefix:
+            return NO_BUFFERS.because("no prefix rows")
+        return None
+
+    def structure_reason(self) -> Reason | None:
+        """The pipeline as it is wired now: parallelism, cache backends, offload, hooks, LoRA."""
+        pipe, lm = self.pipeline, self.lm
+        od = getattr(pipe, "od_config", None)
+        backend = getattr(od, "cache_backend", None)
+        if backend not in (None, "none", ""):
+            return CACHE_BACKEND.because(f"cache_backend={backend}")
+        par = getattr(od, "parallel_config", None)
+        for name in ("cfg_parallel_size", "sequence_parallel_size", "ulysses_degree",
+                     "ring_degree"):
+            size = getattr(par, name, 1) or 1
+            if size > 1:
+                return PARALLEL.because(f"{name}={size}")
+        gate = rules.gate(pipe, lm, None)
+        if gate is not None:
+            return gate
+        adapter = getattr(pipe, "denoising_transformer", None)
+        if adapter is not None and eligibility.module_hooks(adapter):
+            return CACHE_BACKEND.because("hooks on denoising_transformer")
+        if rules.lora_present(lm):
+            return LORA
+        return None
+
+    def _bind(self, owner, kwargs) -> prefix_graph.Entry | None:
+        layers = owner.layers
+        prefix = layers[0].flash_prefix_len
+        image = kwargs["input_embeds"].shape[1]
+        consts = tuple(sorted((name, _hashable(value)) for name, value in kwargs.items()
+                              if name not in NOT_CONSTANT))
+        key = prefix_graph.PrefixKey(
+            batch=kwargs["z"].shape[0], prefix_len=prefix, target=(image,),
+            dtype=kwargs["input_embeds"].dtype, device=str(kwargs["z"].device),
+            backend=_attention_backend(self.lm), consts=consts)
+        prefix_kv = [(layer.flash_k_cache[:, :prefix], layer.flash_v_cache[:, :prefix])
+                     for layer in layers]
+        request = {name: kwargs[name] for name in REQUEST_TENSORS}
+        step = {name: kwargs[name] for name in STEP_TENSORS}
+        entry = self.graphs.bind(owner, key, prefix_kv, request, step, tail=image)
+        if entry is None:
+            return None
+        # The cache reads the entry's rows from now on (the entry is the owner's while it lives):
+        # the request's own copy is freed, and an eager step of this branch writes the same rows.
+        for layer, (k, v) in zip(layers, entry.buffers.kv):
+            layer.flash_k_cache, layer.flash_v_cache = k, v
+        return entry
+
+    def finish(self, caches) -> None:
+        """The request's denoising loop returned: its branches' entries go back to the pool (the
+        loop has dropped the caches' references to their rows)."""
+        if not isinstance(caches, dict):
+            return
+        for cache in caches.values():
+            if not hasattr(cache, "layers"):
+                continue  # the indexes and masks beside the caches
+            with self._lock:
+                self._branches.pop(id(cache), None)
+            self.graphs.release(cache)
+
+    def release(self) -> None:
+        """Drop every entry and graph (sleep level 2)."""
+        self.graphs.release_all()
+
+    def describe(self) -> str:
+        where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
+        return f"image denoising: each CFG branch's step replayed ({where}, the pipeline's own code)"
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape))
+    return value
+
+
+def _attention_backend(language_model) -> str:
+    """The diffusion attention implementation the generation path dispatches to (part of the key:
+    a graph captured with one kernel must not replay for another)."""
+    attn = getattr(language_model.model.layers[0].self_attn, "attn", None)
+    impl = getattr(attn, "attn_impl_cls", None)
+    if isinstance(impl, type):
+        return impl.__name__
+    return type(getattr(attn, "attention", attn)).__name__
+
+
+def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None):
+    """Patch ``pipeline``'s branch step and denoising loop; returns the ``Denoiser``.
+    HookRefused (nothing patched) when the code moved."""
+    lm = pipeline.language_model
+    check(pipeline, lm)
+    denoiser = Denoiser(pipeline, layout, cfg, capture=capture)
+    predict = pipeline._t2i_predict_v
+    loop = pipeline._run_denoising_loop
+
+    @functools.wraps(predict)
+    def _t2i_predict_v(*args, **kwargs):
+        return denoiser.predict_v(predict, args, kwargs)
+
+    @functools.wraps(loop)
+    def _run_denoising_loop(ns, caches, p, *args, **kwargs):
+        out = loop(ns, caches, p, *args, **kwargs)
+        denoiser.finish(caches)
+        return out
+
+    _t2i_predict_v.__graphdecode__ = True
+    _run_denoising_loop.__graphdecode__ = True
+    pipeline._t2i_predict_v = _t2i_predict_v
+    pipeline._run_denoising_loop = _run_denoising_loop
+    return denoiser
+
+
+__all__ = ["ARGUMENTS", "AUTOGRAD", "CACHE_BACKEND", "Denoiser", "GenForward", "LORA", "MASKED",
+           "MODEL", "NOT_CUDA", "NO_BUFFERS", "PARALLEL", "QUANT_KV", "check", "install"]
