@@ -5,8 +5,9 @@ Why this exists
     the prefix's (text, condition images) K/V. Every later step recomputes only the target image's
     tokens, at a shape fixed for the rest of the request, against prefix K/V that do not change
     either. That step is one fixed kernel sequence whose inputs change only in value, so a CUDA graph
-    can replay it without the Python and launch cost of ~a dozen kernels per layer. Qwen-Image-2.1 is
-    the model wired today (``hooks/qwen_image_21.py``); this file knows nothing about it.
+    can replay it without the Python and launch cost of ~a dozen kernels per layer. Qwen-Image-2.1's
+    cached steps (``hooks/qwen_image_21``) and SenseNova-U1's denoising branches
+    (``hooks/sensenova_u1/denoise.py``) use it; this file knows nothing about either.
 
 Numbers
     Measured on an H200 at Qwen-Image-2.1's real shape (README, Performance): a cached step at

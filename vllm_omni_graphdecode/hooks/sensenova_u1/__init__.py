@@ -15,6 +15,9 @@ Files, one concern each:
     fused_step.py  vllm's fused norms, residual add and SiLU; on 0.24-0.28 also rope once per
                    step (delete that part with the backport layout)
     wiring.py      install(): the pipeline methods patched, sleep release, pre-capture
+    denoise.py     image denoising: each CFG branch's step replayed over static prefix + image
+                   K/V buffers (``prefix_graph``), opt-in with
+                   VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph, on every layout
 
 The session mechanism (one sequence at a time, hand-backs, LoRA, release) is model-agnostic:
 ``vllm_omni_graphdecode.ar_session``.

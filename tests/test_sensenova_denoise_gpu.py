@@ -1,0 +1,165 @@
+"""SenseNova-U1 image denoising replayed as CUDA graphs (issue #13), on the GPU host: vllm-omni's
+real pipeline from the tiny checkpoint, bf16 on CUDA, the plugin's default kernels.
+
+Equality is bit for bit: the graph records the pipeline's own branch step (its ``_t2i_predict_v``
+over the same layers), so a replay runs the very kernels of the eager step on the same inputs.
+
+Written in the session that built the wiring, when no GPU was lent: not yet run (the CPU tests
+in ``tests/test_sensenova_denoise.py`` cover the same step without capture).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_graphdecode import config, cuda_graphs, stats
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
+from vllm_omni_graphdecode.testing import random_models as rm
+
+from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
+
+pytestmark = pytest.mark.gpu
+
+MODEL = denoise.MODEL
+REQUESTS = {
+    "t2i_cfg4": (rm.image_request(num_steps=4), 0, 2),
+    "edit_two_refs_three_branches": (rm.image_request(img_cfg_scale=2.0, num_steps=3), 2, 3),
+}
+
+
+def _cfg(**env):
+    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph", **env})
+
+
+def _pipeline(checkpoint, cfg=None):
+    pipe = rm.load_sensenova_pipeline(checkpoint, device="cuda", dtype=torch.bfloat16)
+    if cfg is not None:
+        hook.install(pipe, cfg, None)
+    return pipe
+
+
+def _run(pipe, request, refs=0):
+    calls = []
+    inner = pipe._t2i_predict_v
+
+    def recorded(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        calls.append(out.clone())
+        return out
+
+    pipe._t2i_predict_v = recorded
+    try:
+        with torch.inference_mode():
+            if refs:
+                out = pipe._forward_it2i(request, rm.reference_images(refs))
+            else:
+                out = pipe._forward_t2i(request)
+    finally:
+        pipe._t2i_predict_v = inner
+    return np.asarray(out.output["payload"]["image"]), calls
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoint):  # noqa: F811
+    pipe = _pipeline(checkpoint)
+    return {name: _run(pipe, request, refs) for name, (request, refs, _) in REQUESTS.items()}
+
+
+@pytest.mark.parametrize("case", list(REQUESTS))
+def test_gpu_captured_branch_steps_equal_the_pipelines_own_bit_for_bit(checkpoint, eager, case):  # noqa: F811
+    request, refs, branches = REQUESTS[case]
+    pipe = _pipeline(checkpoint, _cfg(VLLM_OMNI_GRAPHDECODE_VERIFY="1"))
+    image, calls = _run(pipe, request, refs)
+    want_image, want_calls = eager[case]
+    assert len(calls) == len(want_calls) == request.num_steps * branches
+    for i, (got, want) in enumerate(zip(calls, want_calls)):
+        assert torch.equal(got, want), f"branch step {i}: max diff {(got - want).abs().max()}"
+    assert np.array_equal(image, want_image)
+    assert stats.get(MODEL, "capture") == branches
+    assert stats.get(MODEL, "replay") == len(calls)
+    assert stats.get(MODEL, "verify_exact") == branches
+    assert stats.fallbacks(MODEL) == {}
+    # a second request reuses the pooled entries and their graphs
+    again, _ = _run(pipe, request, refs)
+    assert np.array_equal(again, want_image) and stats.get(MODEL, "capture") == branches
+
+
+def test_gpu_two_requests_interleaved_step_by_step_equal_their_serial_runs(checkpoint):  # noqa: F811
+    requests = [rm.image_request("a red cube on a table", seed=1, num_steps=3),
+                rm.image_request("two green spheres", seed=2, num_steps=3)]
+    alone = _pipeline(checkpoint)
+    serial = [_run(alone, r) for r in requests]
+    pipe = _pipeline(checkpoint, _cfg())
+    inner = pipe._t2i_predict_v
+    turn = threading.Condition()
+    state = {"turn": 0, "live": 0}
+    names, results = {}, {}
+
+    def step(*args, **kwargs):
+        me = names[threading.get_ident()]
+        with turn:
+            turn.wait_for(lambda: state["turn"] == me, timeout=120)
+            out = inner(*args, **kwargs)
+            graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+            state["live"] = max(state["live"], graphs.info()["live"])
+            state["turn"] = 1 - me
+            turn.notify_all()
+        return out
+
+    pipe._t2i_predict_v = step
+
+    def worker(i):
+        names[threading.get_ident()] = i
+        with torch.inference_mode():
+            out = pipe._forward_t2i(requests[i])
+        results[i] = np.asarray(out.output["payload"]["image"])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert state["live"] == 4
+    for i in (0, 1):
+        assert np.array_equal(results[i], serial[i][0])
+
+
+def test_gpu_capture_failure_runs_the_pipelines_own_steps_with_equal_output(
+        checkpoint, eager, monkeypatch):  # noqa: F811
+    def fail(*args, **kwargs):
+        raise cuda_graphs.CaptureFailed("injected")
+
+    monkeypatch.setattr(cuda_graphs, "capture", fail)
+    pipe = _pipeline(checkpoint, _cfg())
+    image, _ = _run(pipe, REQUESTS["t2i_cfg4"][0])
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert any("capture" in key for key in stats.fallbacks(MODEL))
+    assert stats.get(MODEL, "replay") == 0
+
+
+def test_gpu_memory_is_flat_over_requests_5_to_20(checkpoint):  # noqa: F811
+    pipe = _pipeline(checkpoint, _cfg())
+    request = rm.image_request(num_steps=2)
+    used = []
+    for _ in range(20):
+        _run(pipe, request)
+        torch.cuda.synchronize()
+        used.append(torch.cuda.memory_allocated())
+    growth = (max(used[4:]) - min(used[4:])) / 2**20
+    assert growth < 1.0, f"device memory grew {growth:.1f} MiB over requests 5-20"
+    assert getattr(pipe, wiring.IMAGE_ATTR).graphs.info()["entries"] == 2
+
+
+def test_gpu_sleep_release_drops_graphs_and_the_next_request_captures_again(checkpoint, eager):  # noqa: F811
+    pipe = _pipeline(checkpoint, _cfg())
+    request = REQUESTS["t2i_cfg4"][0]
+    _run(pipe, request)
+    pipe.release_captured_graphs()
+    assert getattr(pipe, wiring.IMAGE_ATTR).graphs.info()["entries"] == 0
+    image, _ = _run(pipe, request)
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert stats.get(MODEL, "capture") == 4
