@@ -92,9 +92,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     layout = layouts.detect_layout(lm, cls)
     if layout.in_tree and cfg.sensenova_intree == "defer":
         image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None)
-        return (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
-                f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer); decode not wired; "
-                f"{image}")
+        head = (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
+                f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer)")
+        if getattr(pipeline, IMAGE_ATTR, None) is None:
+            return f"{head}; nothing wired ({image})"
+        return f"{head}; decode not wired; {image}"
     originals = {name: check_signature(cls, name, params)
                  for name, params in layouts.PIPELINE_METHODS.items()}
     if layout.in_tree:
