@@ -428,8 +428,27 @@ def load_sensenova_pipeline(checkpoint: str, *, device: str = "cpu", dtype=torch
     pipe.load_weights(loader._get_weights_iterator(pipe.weights_sources[0]))
     # What the loader's load_model does next: each linear layer's quant method finishes its
     # weights (on vllm's CPU platform the unquantized method builds its ``cpu_linear`` here).
-    loader._process_weights_after_loading(pipe, torch.device(device))
+    with _no_packed_cpu_gemm(device):
+        loader._process_weights_after_loading(pipe, torch.device(device))
     return pipe.to(device).eval()
+
+
+@contextlib.contextmanager
+def _no_packed_cpu_gemm(device: str):
+    """On vllm's CPU platform without its compiled ``_C`` ops (the test venv), bf16 linear
+    layers would be packed for sgl-kernel's GEMM, which lives in ``_C``: route them to the
+    dispatcher's next choice instead. Nothing this plugin patches is involved."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    check = getattr(layer_utils, "check_cpu_sgl_kernel", None)
+    if device != "cpu" or check is None or hasattr(torch.ops._C, "convert_weight_packed"):
+        yield
+        return
+    layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        layer_utils.check_cpu_sgl_kernel = check
 
 
 def image_request(prompt: str = "a red cube on a table", **overrides) -> SimpleNamespace:
