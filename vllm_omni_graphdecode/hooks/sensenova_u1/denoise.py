@@ -357,7 +357,11 @@ class Denoiser:
 
     def describe(self) -> str:
         where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
-        return f"image denoising: each CFG branch's step replayed ({where}, the pipeline's own code)"
+        line = f"image denoising: each CFG branch's step replayed ({where}, the pipeline's own code)"
+        device = torch.device(getattr(self.pipeline, "device", "cpu"))
+        if self.capture is None and device.type != "cuda":
+            line += f"; branches run the pipeline's own steps while: not on a CUDA device ({device})"
+        return line
 
 
 def _hashable(value):
