@@ -12,7 +12,6 @@ runs its own steps with the reason counted, as production does.
 import importlib.util
 import logging
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -58,33 +57,10 @@ def _pipeline(checkpoint, cfg=None, **install):
     return pipe, summary
 
 
-def _record(pipe):
-    """Every branch step's result (and its branch cache), through whatever the pipeline calls."""
-    calls = []
-    inner = pipe._t2i_predict_v
-
-    def recorded(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        calls.append((kwargs.get("past_key_values"), out.clone()))
-        return out
-
-    pipe._t2i_predict_v = recorded
-    return calls
-
-
-def _run(pipe, request, images=None):
-    with torch.inference_mode():
-        if images is None:
-            out = pipe._forward_t2i(request)
-        else:
-            out = pipe._forward_it2i(request, images)
-    return np.asarray(out.output["payload"]["image"])
-
-
-def _branches(calls):
+def _branches(caches):
     """The branch caches in the order each was first seen."""
     seen = []
-    for cache, _ in calls:
+    for cache in caches:
         if all(cache is not c for c in seen):
             seen.append(cache)
     return seen
@@ -107,10 +83,8 @@ def eager(checkpoint):
     pipe, _ = _pipeline(checkpoint)
     results = {}
     for name, (request, refs, _) in CASES.items():
-        calls = _record(pipe)
-        image = _run(pipe, request, rm.reference_images(refs) if refs else None)
-        results[name] = (image, [out for _, out in calls], len(_branches(calls)))
-        del pipe._t2i_predict_v
+        image, outs, caches = rm.generate_image(pipe, request, refs)
+        results[name] = (image, outs, len(_branches(caches)))
     return results
 
 
@@ -119,12 +93,11 @@ def test_static_branch_steps_equal_the_pipelines_own_steps(checkpoint, eager, ca
     request, refs, branches = CASES[case]
     pipe, summary = _pipeline(checkpoint, _cfg(), image_graphs=False)
     assert "image denoising: each CFG branch's step replayed" in summary
-    calls = _record(pipe)
-    image = _run(pipe, request, rm.reference_images(refs) if refs else None)
+    image, calls, caches = rm.generate_image(pipe, request, refs)
     want_image, want_steps, want_branches = eager[case]
-    assert want_branches == branches == len(_branches(calls))
+    assert want_branches == branches == len(_branches(caches))
     assert len(calls) == len(want_steps) == request.num_steps * branches
-    for i, ((_, got), want) in enumerate(zip(calls, want_steps)):
+    for i, (got, want) in enumerate(zip(calls, want_steps)):
         assert torch.equal(got, want), f"branch step {i} differs by {(got - want).abs().max()}"
     assert np.array_equal(image, want_image)
     assert stats.get(MODEL, "static_step") == len(calls)
@@ -151,7 +124,7 @@ def test_on_cpu_each_branch_runs_the_pipelines_own_step_with_the_reason_counted_
     stats.logger.addHandler(handler)  # vllm's logging config may stop propagation to caplog
     try:
         for _ in range(2):
-            image = _run(pipe, request)
+            image = rm.generate_image(pipe, request)[0]
     finally:
         stats.logger.removeHandler(handler)
     assert np.array_equal(image, eager["t2i_cfg4"][0])
@@ -177,7 +150,7 @@ def test_a_pipeline_the_step_cannot_serve_runs_its_own_steps_with_the_reason(
     for part in path:
         owner = getattr(owner, part)
     setattr(owner, attr, value)
-    image = _run(pipe, CASES["t2i_cfg4"][0])
+    image = rm.generate_image(pipe, CASES["t2i_cfg4"][0])[0]
     assert np.array_equal(image, eager["t2i_cfg4"][0])
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {reason.key}": 2}
     assert stats.get(MODEL, "static_step") == 0
@@ -186,7 +159,7 @@ def test_a_pipeline_the_step_cannot_serve_runs_its_own_steps_with_the_reason(
 def test_lora_wrappers_run_the_pipelines_own_steps(checkpoint):
     pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
     rm.add_lora_wrappers(pipe.language_model)
-    _run(pipe, rm.image_request(num_steps=1))
+    rm.generate_image(pipe, rm.image_request(num_steps=1))
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {denoise.LORA.key}": 2}
 
 
@@ -196,47 +169,16 @@ def test_two_requests_interleaved_step_by_step_equal_their_serial_runs(checkpoin
     requests = [rm.image_request("a red cube on a table", seed=1),
                 rm.image_request("two green spheres", seed=2)]
     alone, _ = _pipeline(checkpoint)
-    serial = []
-    for request in requests:
-        calls = _record(alone)
-        serial.append((_run(alone, request), [out for _, out in calls]))
-        del alone._t2i_predict_v
-
+    serial = [rm.generate_image(alone, request)[:2] for request in requests]
     pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
-    inner = pipe._t2i_predict_v
-    turn = threading.Condition()
-    state = {"turn": 0, "live": 0}
-    results, outs = {}, {0: [], 1: []}
-    names = {}
-
-    def step(*args, **kwargs):
-        me = names[threading.get_ident()]
-        with turn:
-            turn.wait_for(lambda: state["turn"] == me, timeout=60)
-            out = inner(*args, **kwargs)
-            outs[me].append(out.clone())
-            live = pipe._graphdecode_sensenova_u1_image.graphs.info()["live"]
-            state["live"] = max(state["live"], live)
-            state["turn"] = 1 - me
-            turn.notify_all()
-        return out
-
-    pipe._t2i_predict_v = step
-
-    def worker(i):
-        names[threading.get_ident()] = i
-        results[i] = _run(pipe, requests[i])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert state["live"] == 4  # two requests x two branches, each with an entry of its own
-    for i in (0, 1):
-        assert np.array_equal(results[i], serial[i][0])
-        assert len(outs[i]) == len(serial[i][1])
-        assert all(torch.equal(a, b) for a, b in zip(outs[i], serial[i][1]))
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    live = []
+    results = rm.interleaved(pipe, requests, on_step=lambda: live.append(graphs.info()["live"]))
+    assert max(live) == 4  # two requests x two branches, each with an entry of its own
+    for (image, outs), (want_image, want_outs) in zip(results, serial):
+        assert np.array_equal(image, want_image)
+        assert len(outs) == len(want_outs)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
 
 
 def test_entries_are_reused_across_requests_and_released_on_sleep(checkpoint, eager):
@@ -244,11 +186,11 @@ def test_entries_are_reused_across_requests_and_released_on_sleep(checkpoint, ea
     state = getattr(pipe, wiring.IMAGE_ATTR)
     request = CASES["t2i_cfg4"][0]
     for _ in range(3):
-        assert np.array_equal(_run(pipe, request), eager["t2i_cfg4"][0])
+        assert np.array_equal(rm.generate_image(pipe, request)[0], eager["t2i_cfg4"][0])
         assert state.graphs.info() == {"entries": 2, "live": 0, "captured": 0, "eager_keys": 0}
     pipe.release_captured_graphs()  # what vllm-omni's sleep level 2 reaches
     assert state.graphs.info()["entries"] == 0
-    assert np.array_equal(_run(pipe, request), eager["t2i_cfg4"][0])
+    assert np.array_equal(rm.generate_image(pipe, request)[0], eager["t2i_cfg4"][0])
     assert stats.get(MODEL, "static_step") == 4 * 2 * request.num_steps
 
 

@@ -8,8 +8,6 @@ Written in the session that built the wiring, when no GPU was lent: not yet run 
 in ``tests/test_sensenova_denoise.py`` cover the same step without capture).
 """
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -43,24 +41,7 @@ def _pipeline(checkpoint, cfg=None):
 
 
 def _run(pipe, request, refs=0):
-    calls = []
-    inner = pipe._t2i_predict_v
-
-    def recorded(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        calls.append(out.clone())
-        return out
-
-    pipe._t2i_predict_v = recorded
-    try:
-        with torch.inference_mode():
-            if refs:
-                out = pipe._forward_it2i(request, rm.reference_images(refs))
-            else:
-                out = pipe._forward_t2i(request)
-    finally:
-        pipe._t2i_predict_v = inner
-    return np.asarray(out.output["payload"]["image"]), calls
+    return rm.generate_image(pipe, request, refs)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -94,38 +75,14 @@ def test_gpu_two_requests_interleaved_step_by_step_equal_their_serial_runs(check
     alone = _pipeline(checkpoint)
     serial = [_run(alone, r) for r in requests]
     pipe = _pipeline(checkpoint, _cfg())
-    inner = pipe._t2i_predict_v
-    turn = threading.Condition()
-    state = {"turn": 0, "live": 0}
-    names, results = {}, {}
-
-    def step(*args, **kwargs):
-        me = names[threading.get_ident()]
-        with turn:
-            turn.wait_for(lambda: state["turn"] == me, timeout=120)
-            out = inner(*args, **kwargs)
-            graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
-            state["live"] = max(state["live"], graphs.info()["live"])
-            state["turn"] = 1 - me
-            turn.notify_all()
-        return out
-
-    pipe._t2i_predict_v = step
-
-    def worker(i):
-        names[threading.get_ident()] = i
-        with torch.inference_mode():
-            out = pipe._forward_t2i(requests[i])
-        results[i] = np.asarray(out.output["payload"]["image"])
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert state["live"] == 4
-    for i in (0, 1):
-        assert np.array_equal(results[i], serial[i][0])
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    live = []
+    results = rm.interleaved(pipe, requests, on_step=lambda: live.append(graphs.info()["live"]))
+    assert max(live) == 4
+    for (image, outs), (want_image, want_outs) in zip(results, serial):
+        assert np.array_equal(image, want_image)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want_outs))
+    assert stats.get(MODEL, "capture") == 4 and stats.fallbacks(MODEL) == {}
 
 
 def test_gpu_capture_failure_runs_the_pipelines_own_steps_with_equal_output(

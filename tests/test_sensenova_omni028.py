@@ -305,18 +305,7 @@ def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
     request = st.image_request(num_steps=3, cfg_scale=1.0)
 
     def run(pipe):
-        calls = []
-        inner = pipe._t2i_predict_v
-
-        def recorded(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            calls.append(out.clone())
-            return out
-
-        pipe._t2i_predict_v = recorded
-        with torch.inference_mode():
-            pipe._forward_t2i(request)
-        return calls
+        return st.generate_image(pipe, request)[1]
 
     want = run(st.load_sensenova_pipeline(ckpt, dtype=torch.bfloat16))
     stats.reset()

@@ -470,3 +470,100 @@ def reference_images(n: int = 2, size: int = 48, seed: int = 3) -> list:
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (size, size + 16 * i, 3), dtype=np.uint8))
             for i in range(n)]
+
+
+def _image(pipe, request, references: int = 0):
+    import numpy as np
+
+    with torch.inference_mode():
+        if references:
+            result = pipe._forward_it2i(request, reference_images(references))
+        else:
+            result = pipe._forward_t2i(request)
+    return np.asarray(result.output["payload"]["image"])
+
+
+def generate_image(pipe, request, references: int = 0):
+    """One image request through the pipeline's own entry (``_forward_t2i``, or ``_forward_it2i``
+    with ``references`` random reference images). Returns (the image as a uint8 array, every
+    denoising branch step's result in call order, the branch cache of each call)."""
+    outs, caches = [], []
+    inner = pipe.__dict__.get("_t2i_predict_v")
+    step = inner or pipe._t2i_predict_v
+
+    def recorded(*args, **kwargs):
+        out = step(*args, **kwargs)
+        outs.append(out.clone())
+        caches.append(kwargs.get("past_key_values"))
+        return out
+
+    pipe._t2i_predict_v = recorded
+    try:
+        image = _image(pipe, request, references)
+    finally:
+        _restore(pipe, inner)
+    return image, outs, caches
+
+
+def _restore(pipe, inner) -> None:
+    if inner is None:
+        del pipe._t2i_predict_v
+    else:
+        pipe._t2i_predict_v = inner
+
+
+def interleaved(pipe, requests, *, on_step=None, timeout: float = 300.0) -> list:
+    """Run ``requests`` (text-to-image) on ``pipe`` from one thread each, taking turns at every
+    denoising branch step (request 0's step, request 1's, ...): requests in flight at once, as a
+    server holds them. ``on_step()`` runs after each step, under the turn lock. Returns, per
+    request, (image, branch step results) as ``generate_image`` does."""
+    inner = pipe.__dict__.get("_t2i_predict_v")
+    step = inner or pipe._t2i_predict_v
+    n = len(requests)
+    turn = threading.Condition()
+    state = {"turn": 0}
+    done = [False] * n
+    names: dict[int, int] = {}
+    outs: dict[int, list] = {i: [] for i in range(n)}
+    images: dict[int, object] = {}
+
+    def pass_turn(me):
+        nxt = (me + 1) % n
+        while done[nxt] and nxt != me:
+            nxt = (nxt + 1) % n
+        state["turn"] = nxt
+
+    def taking_turns(*args, **kwargs):
+        me = names[threading.get_ident()]
+        with turn:
+            if not turn.wait_for(lambda: state["turn"] == me, timeout=timeout):
+                raise TimeoutError(f"request {me} never got its turn")
+            out = step(*args, **kwargs)
+            outs[me].append(out.clone())
+            if on_step is not None:
+                on_step()
+            pass_turn(me)
+            turn.notify_all()
+        return out
+
+    def worker(i):
+        names[threading.get_ident()] = i
+        try:
+            images[i] = _image(pipe, requests[i])
+        finally:
+            with turn:
+                done[i] = True
+                if state["turn"] == i:
+                    pass_turn(i)
+                turn.notify_all()
+
+    pipe._t2i_predict_v = taking_turns
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        _restore(pipe, inner)
+    return [(images.get(i), outs[i]) for i in range(n)]
