@@ -97,6 +97,9 @@ def check(pipeline, language_model) -> None:
     for name in ("layers", "norm_mot_gen"):
         if getattr(model, name, None) is None:
             raise HookRefused(NOT_WIRED.because(f"language_model.model has no {name}"))
+    if layouts.output_class(language_model) is None:
+        raise HookRefused(NOT_WIRED.because(
+            f"{type(language_model).__module__} has no SenseNovaU1CausalLMOutput"))
     layer = model.layers[0]
     check_signature(type(layer), "_forward_gen", GEN_FORWARD)
     check_signature(type(layer.self_attn), "forward_gen", GEN_FORWARD)
@@ -111,6 +114,7 @@ class GenForward:
     def __init__(self, language_model, layout: layouts.Layout):
         self.lm = language_model
         self.layout = layout
+        self.output = layouts.output_class(language_model)  # what the model's forward returns
 
     def __call__(self, inputs_embeds, image_gen_indicators, indexes, attention_mask,
                  past_key_values, use_cache=True, compute_logits=False, **kwargs):
@@ -128,14 +132,8 @@ class GenForward:
             hidden = layer(hidden, image_gen_indicators=image_gen_indicators, exist_und=False,
                            exist_gen=True, indexes=indexes, attention_mask=attention_mask,
                            past_key_values=past_key_values, use_cache=use_cache, **extra)
-        return _Output(hidden_states=model.norm_mot_gen(hidden), past_key_values=past_key_values)
-
-
-@dataclasses.dataclass
-class _Output:
-    hidden_states: torch.Tensor
-    past_key_values: object
-    logits: None = None
+        return self.output(hidden_states=model.norm_mot_gen(hidden),
+                           past_key_values=past_key_values)
 
 
 class _StandIn:
