@@ -69,3 +69,19 @@ def _fresh_plugin_state():
     yield
     config.reset_for_tests()
     stats.reset()
+
+
+@pytest.fixture
+def stats_warnings():
+    """The messages the plugin logs at WARNING while the test runs (a handler on its logger:
+    vllm's logging config may stop propagation to caplog)."""
+    import logging
+
+    from vllm_omni_graphdecode import stats
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    stats.logger.addHandler(handler)
+    yield records
+    stats.logger.removeHandler(handler)
