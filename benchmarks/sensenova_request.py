@@ -122,6 +122,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import math
 import os
@@ -676,6 +677,41 @@ def audit_syncs(pipe, request, device: torch.device, think_tokens: int) -> dict:
     }
 
 
+def profile_branch_step(pipe, args, device: torch.device, steps: int = 3) -> dict:
+    """Kernels of one CFG branch step (the pipeline's ``_t2i_predict_v`` as it stands: eager, or
+    the plugin's replay), by category, with GPU busy against wall time (``profile_step``). The
+    branch's arguments are taken from the cond branch's first call in a one-step request."""
+    import profile_step
+
+    saved = {}
+    original = pipe._t2i_predict_v
+
+    def measure(*a, **kw):
+        # Inside the loop, at the branch's first call: its prefix + image buffers are live here
+        # (the loop's cleanup drops them when it returns).
+        if "report" not in saved:
+            fn = functools.partial(original, *a, **kw)
+            fn()
+            wall = profile_step.wall_ms(fn, steps, device_type=device.type)
+            trace = profile_step.profile(fn, steps, device_type=device.type)
+            layer0 = kw["past_key_values"].layers[0]
+            saved["report"] = profile_step.report(
+                trace, steps, wall, image_tokens=int(kw["input_embeds"].shape[1]),
+                prefix_tokens=int(getattr(layer0, "flash_prefix_len", 0) or 0))
+        return original(*a, **kw)
+
+    request = make_request(size=args.size, steps=1, cfg=args.cfg, think=False, seed=args.seed,
+                           prompt=args.prompt, tag="profile")
+    pipe._t2i_predict_v = measure
+    try:
+        pipe.forward(request)
+    finally:
+        pipe._t2i_predict_v = original
+    rep = saved["report"]
+    rep.pop("other_kernel_names", None)
+    return rep
+
+
 # -- floors --------------------------------------------------------------------------------------
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -845,6 +881,18 @@ def _json_safe(value):
     return value
 
 
+def _profile_or_error(pipe, args, device, log, side: str) -> dict:
+    try:
+        rep = profile_branch_step(pipe, args, device)
+    except Exception as exc:  # a diagnostic: never the reason a run ends
+        rep = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"{side} branch step profile: " + json.dumps(
+        {k: rep.get(k) for k in ("error", "wall_ms_per_step", "gpu_busy_ms_per_step",
+                                  "kernels_per_step")} | {
+            c: v["ms_per_step"] for c, v in rep.get("by_category", {}).items()}))
+    return rep
+
+
 def case_name(kind: str, size: int, tiny_model: bool) -> str:
     return f"sensenova_{kind}_{size}" + ("_tiny" if tiny_model else "")
 
@@ -948,6 +996,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="the tiny checkpoint (make_tiny_checkpoints) instead of the real shape")
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one cond branch step per side (kernels by category)")
     ap.add_argument("--no-audit", dest="audit", action="store_false",
                     help="skip the host-sync audit request (CUDA only anyway)")
     args = ap.parse_args(argv)
@@ -1006,6 +1056,9 @@ def main(argv=None) -> int:
         results: dict[str, dict] = {}
         plugin: dict[str, Any] = {"summary": None, "fallbacks": {}}
         results["eager"] = run_side(pipe, "eager", args, modes, device, log)
+        profiles = env.setdefault("branch_step_profile", {})
+        if args.profile:
+            profiles["eager"] = _profile_or_error(pipe, args, device, log, "eager")
         env["eager_peak_memory_mib"] = results["eager"].pop("peak_memory_mib", None)
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
         write()
@@ -1017,6 +1070,8 @@ def main(argv=None) -> int:
             plugin["summary"] = sensenova_u1.install(pipe, cfg, None)
             log(f"plugin: {plugin['summary']}")
             results["plugin"] = run_side(pipe, "plugin", args, modes, device, log)
+            if args.profile:
+                profiles["plugin"] = _profile_or_error(pipe, args, device, log, "plugin")
             env["plugin_peak_memory_mib"] = results["plugin"].pop("peak_memory_mib", None)
         except Exception as exc:  # keep the eager side's rows
             import traceback

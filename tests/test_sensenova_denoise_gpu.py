@@ -24,6 +24,7 @@ pytestmark = pytest.mark.gpu
 MODEL = denoise.MODEL
 REQUESTS = {
     "t2i_cfg4": (rm.image_request(num_steps=4), 0, 2),
+    "t2i_cfg_off": (rm.image_request(cfg_scale=1.0, num_steps=3), 0, 1),
     "edit_two_refs_three_branches": (rm.image_request(img_cfg_scale=2.0, num_steps=3), 2, 3),
 }
 
@@ -95,6 +96,28 @@ def test_gpu_capture_failure_runs_the_pipelines_own_steps_with_equal_output(
     image, _ = _run(pipe, REQUESTS["t2i_cfg4"][0])
     assert np.array_equal(image, eager["t2i_cfg4"][0])
     assert any("capture" in key for key in stats.fallbacks(MODEL))
+    assert stats.get(MODEL, "replay") == 0
+
+
+@pytest.mark.parametrize("where", ["allocating", "capturing"])
+def test_gpu_out_of_memory_runs_the_pipelines_own_steps_with_equal_output(
+        checkpoint, eager, monkeypatch, where):  # noqa: F811
+    from vllm_omni_graphdecode import prefix_graph
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    pipe = _pipeline(checkpoint, _cfg())
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    if where == "allocating":
+        monkeypatch.setattr(prefix_graph, "_alloc_like", no_memory)
+    else:
+        step_fn = graphs.step_fn
+        graphs.step_fn = lambda bufs: (no_memory() if torch.cuda.is_current_stream_capturing()
+                                       else step_fn(bufs))
+    image, _ = _run(pipe, REQUESTS["t2i_cfg4"][0])
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert any(prefix_graph.OOM.key in k for k in stats.fallbacks(MODEL)), stats.fallbacks(MODEL)
     assert stats.get(MODEL, "replay") == 0
 
 

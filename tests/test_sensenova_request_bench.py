@@ -52,7 +52,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("sensenova_request")
     rc = sr.main(["--tiny", "--device", "cpu", "--size", str(SIZE), "--steps", str(STEPS),
                   "--cfg", "4", "--think", "both", "--think-tokens", str(THINK_TOKENS),
-                  "--out", str(out)])
+                  "--profile", "--out", str(out)])
     with open(out / "sensenova-request.json") as f:
         data = json.load(f)
     return rc, data, out
@@ -104,6 +104,16 @@ def test_on_cpu_the_wired_pipeline_runs_its_own_steps_so_the_images_are_equal(re
     assert config["env"][sr.DENOISE_VAR] == "graph" and "error" not in config
     assert config["parsed"][sr.DENOISE_VAR] == "graph"
     assert sr.DENOISE_VAR not in os.environ  # set for the plugin side only
+
+
+def test_the_branch_step_profile_ran_on_both_sides(result):
+    _, data, _ = result
+    profiles = data["environment"]["branch_step_profile"]
+    assert set(profiles) == {"eager", "plugin"}
+    for side, rep in profiles.items():
+        assert "error" not in rep, (side, rep)
+        assert rep["wall_ms_per_step"] > 0 and rep["image_tokens"] > 0
+        assert rep["prefix_tokens"] > 0
 
 
 def test_breakdown_parts_are_non_negative_and_fit_in_the_request(result):
