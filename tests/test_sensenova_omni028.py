@@ -93,11 +93,11 @@ def test_028_moved_signature_is_refused_untouched(report):
 
 def test_028_denoising_branch_steps_equal_the_pipelines_own(report):
     """vllm-omni 0.28's layout computes the rope tables in every layer; the plugin's generation
-    forward must still equal the pipeline's (three steps of the one branch CFG 1 runs)."""
+    forward must still equal the pipeline's (three steps of each of the two CFG branches)."""
     r = report["denoise"]
     assert "image denoising: each CFG branch's step replayed" in r["summary"], r["summary"]
-    assert r["steps"] == r["eager_steps"] == 3 and r["equal"]
-    assert r["static_steps"] == 3 and r["fallbacks"] == {}
+    assert r["steps"] == r["eager_steps"] == 6 and r["equal"]
+    assert r["static_steps"] == 6 and r["fallbacks"] == {}
 
 
 def _method_source(path: Path, cls: str, name: str) -> str:
@@ -287,9 +287,8 @@ def _child(omni_path: str) -> dict:
 def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
     """0.28's whole pipeline from the tiny checkpoint: every denoising branch step through the
     plugin's static-buffer step (the backport layout: rope tables in every layer) against the
-    pipeline's own, for a text-to-image request. CFG off (one branch): 0.28's CFG mixin asks for
-    its own classifier-free-guidance process group, which this CPU child does not set up; the
-    branch step is the same code either way (CFG on: the 0.30 tests and the GPU)."""
+    pipeline's own, for a text-to-image request with CFG 4 (cond and uncond branches; 0.28's CFG
+    mixin asks for vllm-omni's classifier-free-guidance group, which ``setup_runtime`` makes)."""
     import importlib.util
     import tempfile
 
@@ -302,7 +301,7 @@ def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
     tmp = tempfile.mkdtemp(prefix="omni028_ckpt_")
     module.main([tmp])
     ckpt = os.path.join(tmp, "sensenova_u1")
-    request = st.image_request(num_steps=3, cfg_scale=1.0)
+    request = st.image_request(num_steps=3)
 
     def run(pipe):
         return st.generate_image(pipe, request)[1]

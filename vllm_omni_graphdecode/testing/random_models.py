@@ -69,10 +69,25 @@ def setup_runtime(device: str = "cpu") -> None:
                 backend="nccl" if device == "cuda" else "gloo",
                 distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.ensure_model_parallel_initialized(1, 1)
+        _cfg_group("nccl" if device == "cuda" else "gloo")
         if device == "cpu":
             _cpu_attention()
             # The Triton kernel cannot run without a GPU; the module falls back to PyTorch.
             sys.modules[_FUSED_ROPE] = None
+
+
+def _cfg_group(backend: str) -> None:
+    """vllm-omni's classifier-free-guidance group, of one rank. Its diffusion worker makes it
+    beside vllm's groups; SenseNova-U1's denoising asks for its size at every CFG step (0.24-0.28
+    assert that it exists). Only that group: the others vllm's initialisation above made."""
+    try:
+        from vllm_omni.diffusion.distributed import parallel_state as ops
+    except ImportError:
+        return
+    if getattr(ops, "_CFG", "absent") is None:
+        ops._CFG = ops.init_model_parallel_group(
+            group_ranks=[[0]], local_rank=0, backend=backend,
+            parallel_mode="classifier_free_guidance")
 
 
 @contextlib.contextmanager
