@@ -176,12 +176,18 @@ class PrefixGraphs:
     """
 
     def __init__(self, model: str, step_fn: Callable[[StaticBuffers], Tensor], *, max_entries: int,
-                 verify: bool = False, capture: bool = True):
+                 verify: bool = False, capture: bool = True, max_idle: int | None = None):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        if max_idle is not None and max_idle < 0:
+            raise ValueError(f"max_idle must be >= 0, got {max_idle}")
         self.model = model
         self.step_fn = step_fn
         self.max_entries = max_entries
+        # Entries kept in the pool with no owner, least recently used dropped first (None: up to
+        # max_entries). For callers whose keys vary per request (a prompt's length), so idle
+        # buffers and graphs of lengths that may never come again do not pile up.
+        self.max_idle = max_idle
         self.verify = verify
         self.capture = capture
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
@@ -258,6 +264,11 @@ class PrefixGraphs:
             entry = self._by_owner.pop(id(owner), None)
             if entry is not None and entry.owner is not None and entry.owner() is owner:
                 entry.owner, entry.owner_id = None, None
+            if self.max_idle is not None:
+                idle = [e for e in self._entries.values() if not e.live()]  # LRU first
+                for stale in idle[:max(len(idle) - self.max_idle, 0)]:
+                    self._drop(stale)
+                    stats.count(self.model, "idle_evictions")
 
     def release_all(self) -> None:
         """Drop every entry and graph (sleep, unload). Live owners keep their prefix through their own
