@@ -106,8 +106,17 @@ def test_static_branch_steps_equal_the_pipelines_own_steps(checkpoint, eager, ca
     assert info["live"] == 0 and info["entries"] == branches
 
 
-def test_off_by_default_leaves_the_denoising_steps_alone(checkpoint, eager):
-    pipe, summary = _pipeline(checkpoint, config.parse({"VLLM_OMNI_GRAPHDECODE": "1"}))
+def test_on_by_default(checkpoint):
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "1"})
+    assert cfg.sensenova_denoise == "graph"
+    pipe, summary = _pipeline(checkpoint, cfg)
+    assert "image denoising: each CFG branch's step replayed" in summary
+    assert getattr(pipe, wiring.IMAGE_ATTR, None) is not None
+
+
+def test_off_leaves_the_denoising_steps_alone(checkpoint, eager):
+    pipe, summary = _pipeline(checkpoint, config.parse({
+        "VLLM_OMNI_GRAPHDECODE": "1", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "off"}))
     assert "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off" in summary
     assert "_t2i_predict_v" not in vars(pipe) and "_run_denoising_loop" not in vars(pipe)
     assert getattr(pipe, wiring.IMAGE_ATTR, None) is None
@@ -184,6 +193,25 @@ def test_entries_are_reused_across_requests_and_released_on_sleep(checkpoint, ea
     assert state.graphs.info()["entries"] == 0
     assert np.array_equal(rm.generate_image(pipe, request)[0], eager["t2i_cfg4"][0])
     assert stats.get(MODEL, "static_step") == 4 * 2 * request.num_steps
+
+
+def test_idle_entries_of_past_prompt_lengths_are_dropped_and_the_uncond_entry_stays(checkpoint):
+    """Each new prompt length is a new cond key; the pool keeps at most IDLE_ENTRIES idle, least
+    recently used dropped first, so the uncond entry (same key every request) stays."""
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    prompts = ["a cube", "a red cube on a table", "two green spheres beside a tall blue vase",
+               "a small house under a wide grey sky at dawn with rain"]
+    for i, prompt in enumerate(prompts):
+        rm.generate_image(pipe, rm.image_request(prompt, num_steps=1))
+        assert graphs.info()["entries"] == min(i + 2, denoise.IDLE_ENTRIES)
+    lengths = {entry.key.prefix_len for entry in graphs._entries.values()}
+    assert len(lengths) == denoise.IDLE_ENTRIES  # uncond's and the last two prompts' cond lengths
+    assert stats.get(MODEL, "idle_evictions") == len(prompts) + 1 - denoise.IDLE_ENTRIES
+    uncond = min(lengths)
+    rm.generate_image(pipe, rm.image_request(prompts[-1], num_steps=1))
+    assert {entry.key.prefix_len for entry in graphs._entries.values()} == lengths
+    assert min(lengths) == uncond and stats.get(MODEL, "idle_evictions") == 2
 
 
 def test_a_moved_branch_step_leaves_denoising_unwired_with_the_reason(checkpoint):

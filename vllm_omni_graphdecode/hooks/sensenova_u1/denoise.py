@@ -32,9 +32,12 @@ Counted under ``sensenova_u1_image``: ``capture``, ``replay``, ``static_step`` (
 step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step), and
 each fallback by its reason, once per request branch.
 
-Not done yet (issue #13): a fused or compiled step body (this mode is ``exact``), graphing the
-per-step work outside the branches, and measurements on the GPU; until then it is off by default
-(``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph`` turns it on).
+Measured (H200, 1024x1024, 50 steps, CFG 4; ``benchmarks/results/h200-2026-12-01b``): a step of
+both branches 118.6 -> 83.8 ms on vllm-omni 0.26 (its generation path launches ~2,600 kernels a
+branch step: the eager step waits on the host), 81.5 -> 72.4 ms on 0.30 (~800 kernels), images
+identical. On by default (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off`` turns it off).
+Not done (issue #13): a fused or compiled step body (this mode is exact), and graphing the
+per-step work outside the branches (13 host syncs a step).
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ PREDICT_V = ("self", "input_embeds", "indexes_image", "attn_mask", "past_key_val
              "image_token_num")
 LOOP = ("self", "ns", "caches", "p")
 GEN_FORWARD = ("self", "hidden_states", "indexes", "attention_mask", "past_key_values")
+# Entries (buffers and graph) kept between requests. The cond branch's key follows the prompt's
+# length, so a server sees a new one with most prompts; the uncond branch's (a fixed prompt) comes
+# back every request. Three covers one whole edit request (cond, uncond, img_cond) or the uncond
+# entry and the last two prompts' cond entries; at 1024x1024 an idle entry with its graph holds
+# ~0.5 GB (H200 measurement: 1,026 MiB for two).
+IDLE_ENTRIES = 3
 # Tensors the step reads: copied into the entry (step: every step; request: once per branch).
 STEP_TENSORS = ("input_embeds", "t", "z")
 REQUEST_TENSORS = ("indexes_image",)
@@ -187,7 +196,8 @@ class Denoiser:
         self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
         self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
-                                                capture=capture is not False)
+                                                capture=capture is not False,
+                                                max_idle=IDLE_ENTRIES)
         # id(branch cache) -> (weak reference to it, what was decided at its first step)
         self._branches: dict[int, tuple[weakref.ref, _Branch]] = {}
         self._lock = threading.Lock()
