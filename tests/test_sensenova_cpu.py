@@ -395,15 +395,24 @@ def in_tree_spy(monkeypatch):
     return calls
 
 
-def test_defer_wires_nothing_and_the_in_tree_decode_still_runs(tiny, eager_think, in_tree_spy):
+@pytest.mark.parametrize("denoise", ["off", "graph"])
+def test_defer_leaves_the_decode_alone_and_the_in_tree_decode_still_runs(
+        tiny, eager_think, in_tree_spy, denoise):
+    want = eager_think(SHORT)  # the unpatched pipeline's own run (it may call the in-tree path)
+    in_tree_spy.clear()
     pipe = st.build_pipeline(tiny.lm, tiny.tok)
-    summary = hook.install(pipe, _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE="defer"), None,
+    summary = hook.install(pipe, _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE="defer",
+                                      VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=denoise), None,
                            kernel=kernels.REFERENCE, graphs=False)
-    assert "stays in charge" in summary and "nothing wired" in summary
-    patched = {"_ar_step", "_generate_think", "_generate_text", "_decode_context",
-               "release_captured_graphs"}
-    assert not patched & set(vars(pipe)) and getattr(pipe, hook.STATE_ATTR, None) is None
-    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
+    assert "stays in charge" in summary
+    decode = {"_ar_step", "_generate_think", "_generate_text", "_decode_context"}
+    assert not decode & set(vars(pipe)) and getattr(pipe, hook.STATE_ATTR, None) is None
+    if denoise == "off":
+        assert "nothing wired" in summary and "release_captured_graphs" not in vars(pipe)
+    else:  # the default: only the image denoising is wired, with its sleep release
+        assert "decode not wired; image denoising: each CFG branch's step replayed" in summary
+        assert {"_t2i_predict_v", "_run_denoising_loop", "release_captured_graphs"} <= set(vars(pipe))
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), want)
     assert in_tree_spy == [1] and stats.get(MODEL, "paged_request") == 0
 
 

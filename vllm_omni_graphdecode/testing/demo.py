@@ -239,8 +239,6 @@ def main(json_stats: bool = False) -> int:
     # vllm-omni 0.30 (this environment) has its own SenseNova paged decode, which the plugin
     # defers to by default; the demo shows the plugin's own path unless told otherwise.
     os.environ.setdefault("VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE", "takeover")
-    # ... and its image denoising path, which is off by default until measured on a GPU.
-    os.environ.setdefault(config.SENSENOVA_DENOISE_VAR, "graph")
     cfg = config.get()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print("vllm-omni-graphdecode demo")
