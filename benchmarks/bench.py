@@ -26,6 +26,13 @@ Cases (names as in the result rows):
   profile_*: a summary row per profile; the profiles themselves (kernels per step, GPU busy vs
       wall, time by kernel category, top kernels, achieved GEMM bandwidth) go to
       ``profile-<tag>.json`` and a table on stderr (``profile_step.py``).
+  sensenova_image_step_S, sensenova_t2i_S, sensenova_t2i_think_S: SenseNova-U1 image generation
+      (one denoising step of all CFG branches; the whole text-to-image request with the think
+      off and on) through ``SenseNovaU1Pipeline.forward``, vllm-omni's default path vs the plugin
+      on the same pipeline object, by ``sensenova_request.py`` (which documents the rows, the
+      breakdown and the floor); its own JSON and log go to ``--out``/sensenova-request.
+      ``--image-args`` passes that script's options (default: 1024x1024, 50 steps, CFG 4, think
+      off and on, one branch step profiled per side; ~5 min and ~36 GB on an H200).
   attention_paged_decode_ctxN: one paged decode attention call, FA3 / FA2 / FlashInfer, as graph
       replays (``attention_kernels.py``).
 
@@ -582,6 +589,32 @@ def bench_qwen_profile(args, rows, env):
         rows.append({"case": "profile_qwen_image_21_t2i_1024", "error": prof["error"]})
 
 
+IMAGE_ARGS = "--size 1024 --steps 50 --cfg 4 --think both --profile"
+
+
+def bench_sensenova_image(args, rows, env):
+    """SenseNova-U1 whole requests and the denoising step (``sensenova_request.py``), their rows
+    added to this run's. A run cut short keeps the rows of the side that finished (that script
+    writes its JSON after each side)."""
+    import shlex
+
+    import sensenova_request
+
+    out = os.path.join(args.out, "sensenova-request")
+    argv = ["--out", out, *shlex.split(getattr(args, "image_args", None) or IMAGE_ARGS)]
+    try:
+        rc = sensenova_request.main(argv)
+    finally:
+        path = os.path.join(out, "sensenova-request.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                image = json.load(f)
+            rows.extend(image["cases"])
+            env["sensenova_request"] = {"argv": argv, "environment": image["environment"]}
+    if rc:
+        raise RuntimeError(f"sensenova_request.py {' '.join(argv)} exited {rc} (its log: {out})")
+
+
 def bench_attention(args, rows, env):
     import attention_kernels
 
@@ -591,6 +624,7 @@ def bench_attention(args, rows, env):
 # ------------------------------------------------------------------ output
 
 CASES = {"sensenova_decode": bench_sensenova, "sensenova_think": bench_think,
+         "sensenova_image": bench_sensenova_image,
          "qwen_image_21_step": bench_qwen,
          "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,
          "qwen_profile": bench_qwen_profile}
@@ -615,6 +649,8 @@ def main():
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
     ap.add_argument("--think-prompt", type=int, default=512, help="sensenova_think prompt tokens")
     ap.add_argument("--think-tokens", type=int, default=1024, help="sensenova_think tokens")
+    ap.add_argument("--image-args", default=IMAGE_ARGS,
+                    help="sensenova_image: options for benchmarks/sensenova_request.py")
     ap.add_argument("--tag", default=None, help="result file name suffix (default: the stack)")
     ap.add_argument("--no-intree", action="store_true",
                     help="vllm-omni 0.30: skip its in-tree decode (otherwise timed in a child "

@@ -226,3 +226,21 @@ def test_psnr_db_is_inf_for_equal_images_and_10log10_of_peak_over_mse_otherwise(
     assert sr.psnr_db(a, b) == pytest.approx(10 * math.log10(48))
     with pytest.raises(ValueError):
         sr.psnr_db(a, np.zeros((2, 2, 3), dtype=np.uint8))
+
+
+def test_bench_py_runs_the_image_case_and_takes_its_rows(tmp_path):
+    """``bench.py --cases sensenova_image`` runs this harness (here on the tiny checkpoint, on
+    CPU, through ``--image-args``) and adds its rows to its own results."""
+    from types import SimpleNamespace
+
+    import bench
+
+    args = SimpleNamespace(out=str(tmp_path), image_args=(
+        f"--tiny --device cpu --size {SIZE} --steps 1 --cfg 4 --think off --no-audit"))
+    rows, env = [], {}
+    bench.bench_sensenova_image(args, rows, env)
+    assert {row["case"] for row in rows} == {f"sensenova_image_step_{SIZE}_tiny",
+                                              f"sensenova_t2i_{SIZE}_tiny"}
+    assert all(row["eager_ms"] > 0 and row["ours_ms"] > 0 for row in rows)
+    assert env["sensenova_request"]["argv"][:2] == ["--out", str(tmp_path / "sensenova-request")]
+    assert (tmp_path / "sensenova-request" / "sensenova-request.json").exists()
