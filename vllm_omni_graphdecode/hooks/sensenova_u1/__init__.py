@@ -56,13 +56,15 @@ __all__ = ["BUSY", "CAPTURE_FAILED", "COMPILED", "Fusion", "HOOKED", "KV_QUANT",
 
 
 def support() -> dict[str, str]:
-    done = "think + text decode: paged K/V + CUDA graph per bucket (backport)"
+    image = ("; image denoising: each CFG branch's step replays a CUDA graph "
+             "(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph, default)")
+    done = "think + text decode: paged K/V + CUDA graph per bucket (backport)" + image
     return {
         "0.24": done,
         "0.26": done,
         "0.28": done,
         "0.30": ("in-tree paged decode present: defer (default) leaves it in charge; "
-                 "takeover replaces its decode context with this plugin's (FA3 on Hopper)"),
+                 "takeover replaces its decode context with this plugin's (FA3 on Hopper)" + image),
     }
 
 
