@@ -46,36 +46,28 @@ option) sets per process; past it a call raises ``CompileFailed`` and the exact 
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ...compiling import (  # noqa: F401 - shared with SenseNova-U1's fast denoising body
+    COMPILE_FAILED,
+    NO_COMPILE,
+    NO_CXX,
+    NO_TRITON,
+    CompileFailed,
+    Inductor as _Inductor,
+    compile_supported,
+    dense_strides as _dense_strides,
+)
 from ...reasons import Reason
 
 Tensor = torch.Tensor
 
 
-NO_COMPILE = Reason("torch.compile unavailable", "use torch >= 2.5 on a Python that Dynamo supports")
-NO_TRITON = Reason("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
-NO_CXX = Reason("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
-COMPILE_FAILED = Reason("torch.compile of the fast block failed",
-                        "report the logged error; the exact step runs for this shape")
 STRUCTURE = Reason("transformer block differs from diffusers 0.41-0.42's QwenImage21TransformerBlock",
                    "use the exact mode for this model")
-
-
-
-class CompileFailed(RuntimeError):
-    """torch.compile cannot run here, or could not compile (or recompile) a fast-block region.
-    ``reason`` says which; the caller runs the exact step and counts it."""
-
-    def __init__(self, reason: Reason):
-        super().__init__(reason.describe())
-        self.reason = reason
 
 
 def mask_all_target(mask: Tensor) -> bool:
@@ -192,32 +184,6 @@ def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: fl
     return x
 
 
-def _dense_strides(t: Tensor) -> Tensor:
-    """``t`` with a fresh tensor's strides, without a copy when its memory is contiguous. Dynamo
-    guards on strides, size-1 dims included, and a batch-1 slice of ``img_in``'s output has a
-    batch stride set by the reference images' token count: a prefix length in disguise."""
-    if not t.is_contiguous():
-        return t.contiguous()
-    return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride())
-
-
-class _Inductor:
-    """Inductor as a torch.compile backend, counting the graphs it compiles. One per option set,
-    process-wide: Dynamo guards on the backend object, so sharing it shares the compiled code."""
-
-    def __init__(self, options: dict):
-        self.options = options
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx
-
-        self.graphs += 1
-        with config.patch(self.options):
-            return compile_fx(gm, example_inputs)
-
-
 _COMPILED: dict[bool, tuple[_Inductor, Callable, Callable]] = {}
 
 
@@ -234,29 +200,6 @@ def _compiled(emulate_casts: bool):
 def compiled_graphs() -> int:
     """Graphs Inductor compiled for fast blocks in this process (first compiles and recompiles)."""
     return sum(backend.graphs for backend, _, _ in _COMPILED.values())
-
-
-def compile_supported(device) -> Reason | None:
-    """Why torch.compile cannot build the fast block for ``device``; None when it can."""
-    device = torch.device(device)
-    try:
-        import torch._dynamo as dynamo
-        import torch._inductor.config as inductor_config
-
-        if not dynamo.is_dynamo_supported():
-            return NO_COMPILE.because(f"Dynamo does not support Python {sys.version.split()[0]}")
-    except Exception as exc:
-        return NO_COMPILE.because(repr(exc)[:300])
-    if not hasattr(inductor_config, "emulate_precision_casts"):
-        return NO_COMPILE.because(f"torch {torch.__version__} lacks emulate_precision_casts")
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else NO_TRITON.because(f"torch {torch.__version__}")
-    if device.type == "cpu":
-        found = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++", "clang++"))
-        return None if found else NO_CXX.because("no g++, c++, clang++ or $CXX on PATH")
-    return NO_COMPILE.because(f"device type {device.type}")
 
 
 _LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer",

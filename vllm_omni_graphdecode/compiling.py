@@ -1,0 +1,80 @@
+"""torch.compile pieces shared by the fast step bodies (Qwen-Image-2.1's cached step,
+SenseNova-U1's denoising step): whether Inductor can build for a device, the backend object that
+counts what it compiles, the error a failed compile becomes, and a stride fix Dynamo needs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+
+from .reasons import Reason
+
+Tensor = torch.Tensor
+
+NO_COMPILE = Reason("torch.compile unavailable", "use torch >= 2.5 on a Python that Dynamo supports")
+NO_TRITON = Reason("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
+NO_CXX = Reason("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
+COMPILE_FAILED = Reason("torch.compile of the fast step body failed",
+                        "report the logged error; the exact step runs for this shape")
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile cannot run here, or could not compile (or recompile) a fast-body region.
+    ``reason`` says which; the caller runs the exact step and counts it."""
+
+    def __init__(self, reason: Reason):
+        super().__init__(reason.describe())
+        self.reason = reason
+
+
+def dense_strides(t: Tensor) -> Tensor:
+    """``t`` with a fresh tensor's strides, without a copy when its memory is contiguous. Dynamo
+    guards on strides, size-1 dims included, and a batch-1 slice of ``img_in``'s output has a
+    batch stride set by the reference images' token count: a prefix length in disguise."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t.as_strided(t.shape, torch.empty(t.shape, device="meta").stride())
+
+
+class Inductor:
+    """Inductor as a torch.compile backend, counting the graphs it compiles. One per option set
+    and body, process-wide: Dynamo guards on the backend object, so sharing it shares the
+    compiled code."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        with config.patch(self.options):
+            return compile_fx(gm, example_inputs)
+
+
+def compile_supported(device) -> Reason | None:
+    """Why torch.compile cannot build a fast step body for ``device``; None when it can."""
+    device = torch.device(device)
+    try:
+        import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+
+        if not dynamo.is_dynamo_supported():
+            return NO_COMPILE.because(f"Dynamo does not support Python {sys.version.split()[0]}")
+    except Exception as exc:
+        return NO_COMPILE.because(repr(exc)[:300])
+    if not hasattr(inductor_config, "emulate_precision_casts"):
+        return NO_COMPILE.because(f"torch {torch.__version__} lacks emulate_precision_casts")
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else NO_TRITON.because(f"torch {torch.__version__}")
+    if device.type == "cpu":
+        found = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++", "clang++"))
+        return None if found else NO_CXX.because("no g++, c++, clang++ or $CXX on PATH")
+    return NO_COMPILE.because(f"device type {device.type}")
