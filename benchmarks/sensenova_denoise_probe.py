@@ -25,10 +25,12 @@ one-step request, inside the denoising loop while its prefix + image buffers liv
     attention  the layer's own attention call (vllm-omni's diffusion ``Attention``, whatever
                backend it picked) on q against the prefix + image K/V; against vllm's FA3 and
                FA2 varlen builds (``kernels.select_dense_attention``).
-    post       residual add, ``post_attention_layernorm_mot_gen``, ``mlp_mot_gen`` (gate_up GEMM,
-               SiLU, multiply, down GEMM), residual add, and the next layer's input RMSNorm, as
-               the modules run them; against the same math compiled by Inductor (the GEMMs stay
-               cuBLAS calls inside the compiled region).
+    post       o_proj, residual add, ``post_attention_layernorm_mot_gen``, ``mlp_mot_gen``
+               (gate_up GEMM, SiLU, multiply, down GEMM), residual add, and the next layer's input
+               RMSNorm, as the modules run them; against the same math compiled by Inductor (the
+               GEMMs stay cuBLAS calls inside the compiled region).
+    The restated functions are the fast denoising body's own (``fast_denoise.py``), so this
+    measures what ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` runs, part by part.
     Each is timed as a CUDA graph replay (median of ``--iters``), per layer and x layers for a
     branch step; ``max_abs_diff`` against the layer's own result (bf16).
 
@@ -55,44 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import sensenova_request as sr  # noqa: E402
-
-
-def rms(x, weight, eps):
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope(x, cos, sin):
-    """``apply_rotary_pos_emb`` for (B, S, H, d) with tables (B, S, d)."""
-    return x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
-
-
-def qk_norm_rope(q, k, wq, wk, wq_hw, wk_hw, tables, eps):
-    """vllm-omni's PyTorch fallback of ``_project_and_rope`` (0.26-0.30): per head, the t half
-    and the h/w half RMS-normed with their own weights, then rope on t, h and w quarters; here on
-    (B, S, H, D) throughout, returning that layout (what the attention reads) instead of
-    (B, H, S, D)."""
-    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = tables
-
-    def one(x, w_t, w_hw):
-        x_t, x_hw = x.chunk(2, dim=-1)
-        x_t = rope(rms(x_t, w_t, eps), cos_t, sin_t)
-        x_h, x_w = rms(x_hw, w_hw, eps).chunk(2, dim=-1)
-        return torch.cat([x_t, rope(x_h, cos_h, sin_h), rope(x_w, cos_w, sin_w)], dim=-1)
-
-    return one(q, wq, wq_hw), one(k, wk, wk_hw)
-
-
-def post_attention(residual, attn_out, w_post, w_gate_up, w_down, w_next, eps):
-    """The layer after its o_proj, and the next layer's input norm, as one function."""
-    h = residual + attn_out
-    gate, up = F.linear(rms(h, w_post, eps), w_gate_up).chunk(2, dim=-1)
-    out = h + F.linear(F.silu(gate) * up, w_down)
-    return out, rms(out, w_next, eps)
+from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise as fd  # noqa: E402
 
 
 class Probe:
@@ -165,6 +130,7 @@ def probe_layer(pipe, kw, args, device) -> dict:
     prefix = int(cache.flash_prefix_len)
     b, s = x.shape[:2]
     eps = layer.input_layernorm_mot_gen.variance_epsilon
+    chain = bool(fd.cast_chain_norm(layer.input_layernorm_mot_gen))
     rot_t = getattr(attn, "rotary_emb", None) or model.rotary_emb
     rot_hw = getattr(attn, "rotary_emb_hw", None) or model.rotary_emb_hw
     tables = (rot_t(x, idx[0].unsqueeze(0)), rot_hw(x, idx[1].unsqueeze(0)),
@@ -193,7 +159,7 @@ def probe_layer(pipe, kw, args, device) -> dict:
         if triton_qk_norm_rope is not None:
             qh, kh = triton_qk_norm_rope(q, k, *weights, *tables[0], *tables[1], *tables[2], eps)
         else:
-            qs, ks = qk_norm_rope(q, k, *weights, tables, eps)
+            qs, ks = fd.qk_norm_rope(q, k, *weights, tables, eps, chain)
             qh, kh = qs.transpose(1, 2), ks.transpose(1, 2)
         vh = v.transpose(1, 2)
         return (qh.transpose(1, 2).contiguous(), kh.transpose(1, 2).contiguous(),
@@ -203,11 +169,11 @@ def probe_layer(pipe, kw, args, device) -> dict:
                                      if triton_qk_norm_rope is not None else "PyTorch fallback"})
     want = own_rope()
     p.attempt(rec, "own_ms", lambda: p.time_ms(own_rope))
-    restated = functools.partial(qk_norm_rope, q, k, *weights, tables, eps)
+    restated = functools.partial(fd.qk_norm_rope, q, k, *weights, tables, eps, chain)
     rec["restated_max_abs_diff"] = _diff(restated(), want[:2])
-    fast = _compile(qk_norm_rope, args)
+    fast = _compile(fd.qk_norm_rope, args)
     if fast is not None:
-        call = functools.partial(fast, q, k, *weights, tables, eps)
+        call = functools.partial(fast, q, k, *weights, tables, eps, chain)
         p.attempt(rec, "compiled_ms", lambda: p.time_ms(call))
         p.attempt(rec, "compiled_max_abs_diff", lambda: _diff(call(), want[:2]))
 
@@ -237,23 +203,25 @@ def probe_layer(pipe, kw, args, device) -> dict:
         p.attempt(entry, "max_abs_diff", lambda c=call: _diff(c(), reference))
 
     # -- after the attention ------------------------------------------------------------------
-    attn_out = attn.o_proj_mot_gen(reference.reshape(b, s, -1))[0]
     mlp = layer.mlp_mot_gen
-    post_w = (layer.post_attention_layernorm_mot_gen.weight, mlp.gate_up_proj.weight,
-              mlp.down_proj.weight, nxt.input_layernorm_mot_gen.weight)
+    post_norm = layer.post_attention_layernorm_mot_gen
+    post_w = (attn.o_proj_mot_gen.weight, getattr(attn.o_proj_mot_gen, "bias", None),
+              post_norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+              nxt.input_layernorm_mot_gen.weight, post_norm.variance_epsilon,
+              nxt.input_layernorm_mot_gen.variance_epsilon, chain)
 
     def own_post():
-        h = x + attn_out
-        o = h + mlp(layer.post_attention_layernorm_mot_gen(h))
+        h = x + attn.o_proj_mot_gen(reference.reshape(b, s, -1))[0]
+        o = h + mlp(post_norm(h))
         return o, nxt.input_layernorm_mot_gen(o)
 
     rec = out.setdefault("post", {})
     want_post = own_post()
     p.attempt(rec, "own_ms", lambda: p.time_ms(own_post))
-    rec["restated_max_abs_diff"] = _diff(post_attention(x, attn_out, *post_w, eps), want_post)
-    fast = _compile(post_attention, args)
+    rec["restated_max_abs_diff"] = _diff(fd.post_attention(x, reference, *post_w), want_post)
+    fast = _compile(fd.post_attention, args)
     if fast is not None:
-        call = functools.partial(fast, x, attn_out, *post_w, eps)
+        call = functools.partial(fast, x, reference, *post_w)
         p.attempt(rec, "compiled_ms", lambda: p.time_ms(call))
         p.attempt(rec, "compiled_max_abs_diff", lambda: _diff(call(), want_post))
 

@@ -26,7 +26,7 @@ Sides (one process, one pipeline object, same seed and request)
             the pipeline's own denoising steps.
     plugin  then ``vllm_omni_graphdecode.hooks.sensenova_u1.install(pipeline, cfg, None)`` on the
             same object, ``cfg`` parsed from the environment with ``VLLM_OMNI_GRAPHDECODE=1`` and
-            ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph`` set for that side only (both recorded
+            ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE`` (``--denoise``: graph, or fast) set for that side only (both recorded
             in the JSON; a value the config rejects is recorded and the side goes on without it).
             Under the default ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer`` the think decode
             stays vllm-omni's own on 0.30, so the plugin side differs in its denoising only.
@@ -762,16 +762,17 @@ def outside_flops(pipe, image_tokens: int) -> float:
 
 # -- the sides -----------------------------------------------------------------------------------
 
-def plugin_config(log: Log):
-    """The plugin side's config, parsed from the environment with ``PLUGIN_ENV`` set (the caller
-    restores the environment from the returned ``saved``). A rejected or unknown denoising
-    variable is recorded and dropped."""
+def plugin_config(log: Log, denoise: str = "graph"):
+    """The plugin side's config, parsed from the environment with ``PLUGIN_ENV`` set (the
+    denoising mode ``denoise``; the caller restores the environment from the returned ``saved``).
+    A rejected or unknown denoising variable is recorded and dropped."""
     from vllm_omni_graphdecode import config
 
-    saved = {k: os.environ.get(k) for k in PLUGIN_ENV}
-    os.environ.update(PLUGIN_ENV)
+    env = dict(PLUGIN_ENV, **{DENOISE_VAR: denoise})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     load = getattr(config, "load", None)
-    record: dict[str, Any] = {"env": dict(PLUGIN_ENV),
+    record: dict[str, Any] = {"env": dict(env),
                               "function": "config.load()" if load else "config.parse()"}
     load = load or config.parse
     try:
@@ -996,6 +997,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="the tiny checkpoint (make_tiny_checkpoints) instead of the real shape")
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    ap.add_argument("--denoise", choices=("graph", "fast"), default="graph",
+                    help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (graph: the "
+                         "exact mode, the pipeline's own step; fast: the restated body)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one cond branch step per side (kernels by category)")
     ap.add_argument("--no-audit", dest="audit", action="store_false",
@@ -1062,7 +1066,7 @@ def main(argv=None) -> int:
         env["eager_peak_memory_mib"] = results["eager"].pop("peak_memory_mib", None)
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
         write()
-        cfg, record, saved = plugin_config(log)
+        cfg, record, saved = plugin_config(log, args.denoise)
         env["plugin_config"] = record
         stats.reset()
         free_before = _free_mib(device)

@@ -232,4 +232,4 @@ def test_bad_denoise_value_names_the_variable_and_what_is_accepted():
     with pytest.raises(config.ConfigError) as err:
         _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE="compiled")
     assert str(err.value) == ("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE='compiled' is not "
-                              "accepted; accepted: off, graph")
+                              "accepted; accepted: off, graph, fast")

@@ -4,8 +4,8 @@ real pipeline from the tiny checkpoint, bf16 on CUDA, the plugin's default kerne
 Equality is bit for bit: the graph records the pipeline's own branch step (its ``_t2i_predict_v``
 over the same layers), so a replay runs the very kernels of the eager step on the same inputs.
 
-Written in the session that built the wiring, when no GPU was lent: not yet run (the CPU tests
-in ``tests/test_sensenova_denoise.py`` cover the same step without capture).
+The exact-mode tests ran on the H200 (``benchmarks/results/h200-2026-12-01b/gpu-tests-denoise.log``,
+9 passed); the fast-mode test was written after that run, without a GPU, and has not run yet.
 """
 
 import gc
@@ -70,6 +70,40 @@ def test_gpu_captured_branch_steps_equal_the_pipelines_own_bit_for_bit(checkpoin
     # a second request reuses the pooled entries and their graphs
     again, _ = _run(pipe, request, refs)
     assert np.array_equal(again, want_image) and stats.get(MODEL, "capture") == branches
+
+
+# The fast body (fast_denoise.py) rounds where Inductor's Triton kernels do and may attend with
+# another FlashAttention build than the pipeline's backend: a stated bound, not a measurement
+# (written without a GPU; the first run reports the figures in the assertion messages).
+FAST_STEP_BOUND = 0.03  # of the largest |v| of the pipeline's own step
+FAST_IMAGE_PSNR_DB = 35.0
+
+
+def _psnr(a, b) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+
+
+@pytest.mark.parametrize("case", ["t2i_cfg4", "edit_two_refs_three_branches"])
+def test_gpu_fast_branch_steps_stay_within_their_bound_of_the_pipelines_own(checkpoint, eager,
+                                                                             case):  # noqa: F811
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise
+
+    request, refs, branches = REQUESTS[case]
+    pipe = _pipeline(checkpoint, _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE="fast"))
+    image, calls = _run(pipe, request, refs)
+    want_image, want_calls = eager[case]
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    assert isinstance(state.fast, fast_denoise.FastGen), state.fast
+    assert stats.degraded_paths(MODEL) == {} and stats.fallbacks(MODEL) == {}
+    assert stats.get(MODEL, "capture") == branches and stats.get(MODEL, "replay") == len(calls)
+    worst = max(float((g.float() - w.float()).abs().max() / w.float().abs().max())
+                for g, w in zip(calls, want_calls))
+    psnr = _psnr(image, want_image)
+    print(f"fast {case}: worst step {worst:.4f} of max |v|, image {psnr:.1f} dB, attention "
+          f"{state.fast.attention.name}")
+    assert worst <= FAST_STEP_BOUND, worst
+    assert psnr >= FAST_IMAGE_PSNR_DB, psnr
 
 
 def test_gpu_two_requests_interleaved_step_by_step_equal_their_serial_runs(checkpoint):  # noqa: F811

@@ -150,11 +150,12 @@ SETTINGS: tuple[Setting, ...] = (
             "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
             "add and SiLU through vllm's fused kernels, rope tables once per step; rounding order "
             "differs slightly) or exact (the model's own modules, as its eager step computes)."),
-    Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph"), "sensenova_denoise",
+    Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph", "fast"), "sensenova_denoise",
             "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
             "own code, over static prefix + image K/V buffers per request branch) as a CUDA "
-            "graph, bit for bit the pipeline's result; off leaves the pipeline's steps as they "
-            "are. On by default: 1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, "
+            "graph, bit for bit the pipeline's result; fast replays a restated step instead "
+            "(Inductor-fused elementwise work, FlashAttention; rounding differs; not yet "
+            "measured on a GPU); off leaves the pipeline's steps as they are. On by default: 1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, "
             "1024x1024), ~0.75 GB more peak memory."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "

@@ -263,8 +263,11 @@ class SdpaAttention:
         """Nothing to build for SDPA."""
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float | None = None) -> Tensor:
+        # Grouped-query attention (fewer K/V heads than query heads) as FlashAttention takes it.
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             dropout_p=0.0, is_causal=False, scale=softmax_scale)
+                                             dropout_p=0.0, is_causal=False, scale=softmax_scale,
+                                             **gqa)
         return out.transpose(1, 2)
 
 
@@ -274,7 +277,8 @@ class FlashAttention:
         out = attention(q, k, v, softmax_scale=None)
 
     q:    (B, Tq, H, D), fp16/bf16, contiguous (else copied).
-    k, v: (B, Tk, H, D), q's dtype, contiguous (``KVBuffers``' per-layer buffers are).
+    k, v: (B, Tk, Hk, D), q's dtype, contiguous (``KVBuffers``' per-layer buffers are); Hk divides
+          H (grouped-query attention, as FlashAttention takes it).
     softmax_scale: float, default ``D ** -0.5``.
     returns (B, Tq, H, D), q's dtype. No mask, not causal.
 

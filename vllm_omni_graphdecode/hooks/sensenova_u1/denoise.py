@@ -52,7 +52,7 @@ import torch
 from ... import eligibility, prefix_graph, stats
 from ...patching import HookRefused, check_signature
 from ...reasons import Reason
-from . import layouts, rules
+from . import fast_denoise, layouts, rules
 
 MODEL = "sensenova_u1_image"
 
@@ -93,6 +93,9 @@ ARGUMENTS = Reason("the branch step was called in a form this hook does not know
                    "doctor)")
 QUANT_KV = Reason("prefix K/V not in the model's dtype",
                   "keep the prefix K/V cache unquantized")
+FAST_NOT_HERE = Reason("fast denoising step not applicable; the exact step runs instead",
+                       "see the detail (VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph silences "
+                       "this)")
 NOT_WIRED = Reason("SenseNova-U1's denoising code moved",
                    "use vllm-omni 0.24-0.30 (python -m vllm_omni_graphdecode doctor)")
 
@@ -194,6 +197,10 @@ class Denoiser:
         self.capture = capture
         predict = type(pipeline)._t2i_predict_v
         self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
+        # fast mode: the FastGen body where it applies (built at the first bind on its device),
+        # else the Reason it does not; None in the exact mode.
+        self.fast: fast_denoise.FastGen | Reason | None = None
+        self._fast_code = None
         self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
                                                 capture=capture is not False,
@@ -207,7 +214,19 @@ class Denoiser:
     def _static_step(self, bufs: prefix_graph.StaticBuffers) -> torch.Tensor:
         kwargs = dict(bufs.key.consts)
         prefix_len = bufs.prefix[0][0].shape[1]
-        return self._step_code(
+        code = self._step_code
+        if isinstance(self.fast, fast_denoise.FastGen):
+            code = self._fast_code
+        try:
+            return self._call_step(code, bufs, prefix_len, kwargs)
+        except fast_denoise.CompileFailed as exc:
+            # Raised by a warm-up (a compile that failed), before any capture: the exact step
+            # from here on, over the same buffers.
+            self._no_fast(exc.reason)
+            return self._call_step(self._step_code, bufs, prefix_len, kwargs)
+
+    def _call_step(self, code, bufs, prefix_len: int, kwargs) -> torch.Tensor:
+        return code(
             input_embeds=bufs.step["input_embeds"], t=bufs.step["t"], z=bufs.step["z"],
             indexes_image=bufs.request["indexes_image"], attn_mask={"full_attention": None},
             past_key_values=_BufferCache(bufs.kv, prefix_len), **kwargs)
@@ -220,7 +239,10 @@ class Denoiser:
         branch = self._branch(owner, args, kwargs)
         if branch.entry is not None:
             step = {name: kwargs[name] for name in STEP_TENSORS}
-            eager = (lambda: original(*args, **kwargs)) if self.cfg.verify else None
+            # Verify compares a new graph with the pipeline's own step where the graph runs the
+            # same code; the fast body's first replay is checked against its own warm-up.
+            exact = not isinstance(self.fast, fast_denoise.FastGen)
+            eager = (lambda: original(*args, **kwargs)) if self.cfg.verify and exact else None
             out = self.graphs.run(branch.entry, step, eager=eager)
             if out is not None:
                 return out
@@ -341,11 +363,51 @@ class Denoiser:
         entry = self.graphs.bind(owner, key, prefix_kv, request, step, tail=image)
         if entry is None:
             return None
+        fast = self._fast_for(kwargs["input_embeds"].dtype)
+        if fast is not None:
+            fast.prepare(key.batch, image, prefix + image, kwargs["z"].device)
         # The cache reads the entry's rows from now on (the entry is the owner's while it lives):
         # the request's own copy is freed, and an eager step of this branch writes the same rows.
         for layer, (k, v) in zip(layers, entry.buffers.kv):
             layer.flash_k_cache, layer.flash_v_cache = k, v
         return entry
+
+    def _fast_for(self, dtype) -> fast_denoise.FastGen | None:
+        """The fast body, built at the first bind (the attention kernel is chosen for the
+        model's device), or None: the exact mode, or the fast one does not apply here (the
+        reason counted as a degraded path each time a branch binds)."""
+        if self.cfg.sensenova_denoise != "fast":
+            return None
+        if self.fast is None:
+            self.fast = self._build_fast(dtype)
+        if isinstance(self.fast, Reason):
+            stats.degraded(MODEL, FAST_NOT_HERE.because(self.fast.describe()))
+            return None
+        return self.fast
+
+    def _build_fast(self, dtype):
+        from ... import kernels
+
+        attn0 = self.lm.model.layers[0].self_attn
+        device = attn0.qkv_proj_mot_gen.weight.device
+        problem = fast_denoise.structure_problem(self.lm, self.layout.rope_per_layer)
+        if problem is not None:
+            return problem
+        attention = kernels.select_dense_attention(device, attn0.head_dim, dtype)
+        if isinstance(attention, Reason):
+            return attention
+        try:
+            fast = fast_denoise.FastGen(self.lm, self.layout, attention,
+                                        layouts.output_class(self.lm))
+        except fast_denoise.CompileFailed as exc:
+            return exc.reason
+        predict = type(self.pipeline)._t2i_predict_v
+        self._fast_code = functools.partial(predict, _StandIn(self.pipeline, fast))
+        return fast
+
+    def _no_fast(self, reason: Reason) -> None:
+        self.fast = reason
+        stats.degraded(MODEL, FAST_NOT_HERE.because(reason.describe()))
 
     def finish(self, caches) -> None:
         """The request's denoising loop returned: its branches' entries go back to the pool (the
@@ -365,7 +427,9 @@ class Denoiser:
 
     def describe(self) -> str:
         where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
-        line = f"image denoising: each CFG branch's step replayed ({where}, the pipeline's own code)"
+        body = ("fast mode: restated layers, Inductor-fused, FlashAttention"
+                if self.cfg.sensenova_denoise == "fast" else "the pipeline's own code")
+        line = f"image denoising: each CFG branch's step replayed ({where}, {body})"
         device = torch.device(getattr(self.pipeline, "device", "cpu"))
         if self.capture is None and device.type != "cuda":
             line += f"; branches run the pipeline's own steps while: not on a CUDA device ({device})"

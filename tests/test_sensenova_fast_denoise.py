@@ -1,0 +1,133 @@
+"""SenseNova-U1's fast denoising body (``hooks/sensenova_u1/fast_denoise.py``) on the tiny
+checkpoint, on CPU: Inductor's C++ backend with ``emulate_precision_casts`` and SDPA, through the
+real pipeline's ``forward``. There the restated, compiled step computes the pipeline's own bits
+(the GPU's Triton kernels and FlashAttention will round differently: its GPU test states that
+bound). Fallbacks: a layer the body does not restate, a compile that fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni_graphdecode import config, stats
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, fast_denoise, wiring
+from vllm_omni_graphdecode.testing import random_models as rm
+
+from test_sensenova_denoise import DTYPE, checkpoint  # noqa: F401 - the tiny checkpoint fixture
+
+MODEL = denoise.MODEL
+CASES = {
+    "t2i_cfg4": (rm.image_request(num_steps=2), 0),
+    "edit_two_refs_three_branches": (rm.image_request(img_cfg_scale=2.0, num_steps=2), 2),
+}
+
+
+def _cfg():
+    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "fast"})
+
+
+def _pipeline(checkpoint, wire=True, change=None):  # noqa: F811
+    pipe = rm.load_sensenova_pipeline(checkpoint, dtype=DTYPE)
+    if change is not None:
+        change(pipe)
+    summary = hook.install(pipe, _cfg(), None, image_graphs=False) if wire else None
+    return pipe, summary
+
+
+@pytest.fixture(scope="module")
+def eager(checkpoint):  # noqa: F811
+    pipe, _ = _pipeline(checkpoint, wire=False)
+    return {name: rm.generate_image(pipe, request, refs)[:2]
+            for name, (request, refs) in CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_fast_steps_equal_the_pipelines_own_on_cpu(checkpoint, eager, case):  # noqa: F811
+    request, refs = CASES[case]
+    pipe, summary = _pipeline(checkpoint)
+    assert "fast mode: restated layers, Inductor-fused, FlashAttention" in summary
+    image, steps = rm.generate_image(pipe, request, refs)[:2]
+    want_image, want_steps = eager[case]
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    assert isinstance(state.fast, fast_denoise.FastGen) and state.fast.compile
+    assert fast_denoise.compiled_graphs() > 0
+    assert len(steps) == len(want_steps)
+    for i, (got, want) in enumerate(zip(steps, want_steps)):
+        assert torch.equal(got, want), f"branch step {i}: max diff {(got - want).abs().max()}"
+    assert np.array_equal(image, want_image)
+    assert stats.get(MODEL, "static_step") == len(steps) and stats.degraded_paths(MODEL) == {}
+
+
+def test_the_restated_layers_equal_the_modules_without_compile(checkpoint, eager):  # noqa: F811
+    """``compile=False``: the plain restated math (what the compiled regions are traced from)."""
+    pipe, _ = _pipeline(checkpoint)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    state.fast = state._build_fast(DTYPE)
+    state.fast.compile, state.fast._pre, state.fast._post = (
+        False, fast_denoise.pre_attention, fast_denoise.post_attention)
+    request, refs = CASES["t2i_cfg4"]
+    steps = rm.generate_image(pipe, request, refs)[1]
+    assert all(torch.equal(a, b) for a, b in zip(steps, eager["t2i_cfg4"][1]))
+
+
+def test_a_layer_the_body_does_not_restate_runs_the_exact_step_with_the_reason(checkpoint):  # noqa: F811
+    def gelu(pipe):
+        pipe.language_model.model.layers[1].mlp_mot_gen.act_fn = torch.nn.GELU()
+
+    want = rm.generate_image(_pipeline(checkpoint, wire=False, change=gelu)[0],
+                             CASES["t2i_cfg4"][0])[1]
+    pipe, _ = _pipeline(checkpoint, change=gelu)
+    steps = rm.generate_image(pipe, CASES["t2i_cfg4"][0])[1]
+    assert all(torch.equal(a, b) for a, b in zip(steps, want))
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    assert fast_denoise.STRUCTURE.same(state.fast)
+    assert "layer 1: MLP activation GELU" in state.fast.describe()
+    degraded = stats.degraded_paths(MODEL)
+    assert list(degraded) == [f"{MODEL}: {denoise.FAST_NOT_HERE.key}"]
+    assert stats.get(MODEL, "static_step") == len(steps)
+
+
+def test_a_compile_that_fails_runs_the_exact_step_from_then_on(checkpoint, eager, monkeypatch):  # noqa: F811
+    pipe, _ = _pipeline(checkpoint)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise fast_denoise.CompileFailed(fast_denoise.COMPILE_FAILED.because("injected"))
+
+    state.fast = state._build_fast(DTYPE)
+    state.fast._run = failing
+    request, refs = CASES["t2i_cfg4"]
+    image, steps = rm.generate_image(pipe, request, refs)[:2]
+    assert calls == [1]  # once: the exact step from then on
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps, eager["t2i_cfg4"][1]))
+    assert fast_denoise.COMPILE_FAILED.same(state.fast)
+    # counted at the failed warm-up (cond) and again when the uncond branch bound
+    assert stats.degraded_paths(MODEL) == {f"{MODEL}: {denoise.FAST_NOT_HERE.key}": 2}
+
+
+def test_the_norm_kind_is_read_from_the_release(checkpoint):  # noqa: F811
+    pipe, _ = _pipeline(checkpoint, wire=False)
+    norm = pipe.language_model.model.norm_mot_gen
+    assert fast_denoise.cast_chain_norm(norm) is False  # vllm-omni 0.30: F.rms_norm
+
+    class CastChain(torch.nn.Module):  # vllm-omni 0.24-0.28's Qwen3RMSNorm.forward
+        def forward(self, hidden_states):
+            input_dtype = hidden_states.dtype
+            hidden_states = hidden_states.to(torch.float32)
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * hidden_states.to(input_dtype)
+
+    assert fast_denoise.cast_chain_norm(CastChain()) is True
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    module = CastChain()
+    module.weight, module.variance_epsilon = norm.weight.detach()[:64].clone(), 1e-6
+    assert torch.equal(fast_denoise.rms_norm(x, module.weight, 1e-6, True), module(x))
+    h = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
+    assert torch.equal(fast_denoise.rms_norm(h, norm.weight, norm.variance_epsilon, False), norm(h))

@@ -1,0 +1,309 @@
+"""SenseNova-U1's denoising branch step, fast mode: the generation pathway's layers restated
+around their GEMMs, the elementwise work fused by Inductor, the attention through FlashAttention.
+
+Why
+    The exact mode replays the pipeline's own step. On vllm-omni 0.30 at 1024x1024 a branch step
+    is 34 ms of GPU work, of which the GEMMs are 22.7 ms, already at the measured matmul rate; the
+    rest is per layer a Triton q/k norm + 3-D rope kernel (~53 us for 1,024 tokens), transposes
+    of q, k and v around it, the diffusion attention, RMSNorm, residual adds, SiLU and the
+    multiply as separate kernels (``benchmarks/results/h200-2026-12-01b``, ``request-0.30.json``;
+    0.26: the same plus ~2,600 kernels a step). ``benchmarks/sensenova_denoise_probe.py`` times
+    these parts against what this body runs instead.
+
+What runs, per layer (``FastGen``; the same interface as ``denoise.GenForward``)
+    pre   (compiled) qkv GEMM, split, per-head RMSNorm of the t half and the h/w half with their
+          own weights, rope on the t, h and w parts, q/k/v left in (B, S, H, D);
+    then  k and v written into the image rows of the entry's prefix + image buffers;
+    attn  FlashAttention (vllm's FA3 on Hopper, FA2 elsewhere, SDPA last) over prefix + image;
+    post  (compiled) o_proj, residual add, RMSNorm, gate_up GEMM, SiLU * up, down GEMM, residual
+          add, and the next layer's input RMSNorm (the last layer's: the final ``norm_mot_gen``).
+    The rope tables are computed once per step (every layer's are the same: checked).
+
+Precision
+    Not the pipeline's bits: the compiled regions round where Inductor's fused kernels do
+    (``emulate_precision_casts`` keeps eager's bf16 rounding points) and the attention kernel
+    differs. The RMSNorm is restated as the release computes it: ``F.rms_norm`` (0.30) or its
+    fp32 cast chain (0.24-0.28). ``compile=False`` with the same attention as the pipeline runs the
+    restated math op for op (CPU test: equal to the pipeline's step within bf16 rounding of the
+    attention; ``benchmarks/sensenova_denoise_probe.py`` checks each restated part bit for bit
+    against the modules).
+
+Written without a GPU (issue #13): ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` turns it on;
+the exact mode (``graph``) stays the default until the fast one is measured, with its PSNR.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from ...compiling import (
+    COMPILE_FAILED,
+    CompileFailed,
+    Inductor,
+    compile_supported,
+    dense_strides,
+)
+from ...reasons import Reason
+
+Tensor = torch.Tensor
+
+STRUCTURE = Reason("the generation pathway's layers differ from what the fast body restates",
+                   "use VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph (the exact mode)")
+
+
+# -- the restated math --------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, cast_chain: bool) -> Tensor:
+    """``Qwen3RMSNorm`` as the release defines it: ``F.rms_norm`` (0.30) or, with
+    ``cast_chain``, normalised in fp32, rounded to the input's dtype, then scaled (0.24-0.28)."""
+    if not cast_chain:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``apply_rotary_pos_emb`` on (B, S, H, d) with tables (B, S, d)."""
+    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, wq: Tensor, wk: Tensor, wq_hw: Tensor, wk_hw: Tensor,
+                 tables, eps: float, cast_chain: bool):
+    """vllm-omni's ``_project_and_rope`` after the qkv GEMM (its PyTorch fallback, which the
+    Triton kernel computes too), on (B, S, H, D) and returning that layout."""
+    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = tables
+
+    def one(x, w_t, w_hw):
+        x_t, x_hw = x.chunk(2, dim=-1)
+        x_t = _rope(rms_norm(x_t, w_t, eps, cast_chain), cos_t, sin_t)
+        x_h, x_w = rms_norm(x_hw, w_hw, eps, cast_chain).chunk(2, dim=-1)
+        return torch.cat([x_t, _rope(x_h, cos_h, sin_h), _rope(x_w, cos_w, sin_w)], dim=-1)
+
+    return one(q, wq, wq_hw), one(k, wk, wk_hw)
+
+
+def pre_attention(normed: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, wq, wk, wq_hw, wk_hw,
+                  tables, eps: float, cast_chain: bool, heads: int, kv_heads: int, head_dim: int):
+    """One layer up to the attention: (q, k, v), each (B, S, heads, D)."""
+    b, s = normed.shape[:2]
+    qkv = F.linear(normed, w_qkv, b_qkv)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = qk_norm_rope(q.view(b, s, heads, head_dim), k.view(b, s, kv_heads, head_dim),
+                        wq, wk, wq_hw, wk_hw, tables, eps, cast_chain)
+    return q, k, v.reshape(b, s, kv_heads, head_dim)
+
+
+def post_attention(x: Tensor, attn: Tensor, w_o: Tensor, b_o: Tensor | None, w_post: Tensor,
+                   w_gate_up: Tensor, w_down: Tensor, w_next: Tensor, eps: float,
+                   next_eps: float, cast_chain: bool):
+    """One layer after the attention, and the next layer's input norm: (x, normed next)."""
+    h = x + F.linear(attn.flatten(2), w_o, b_o)
+    gate, up = F.linear(rms_norm(h, w_post, eps, cast_chain), w_gate_up).chunk(2, dim=-1)
+    out = h + F.linear(F.silu(gate) * up, w_down)
+    return out, rms_norm(out, w_next, next_eps, cast_chain)
+
+
+# -- structure ----------------------------------------------------------------------------------
+
+def _linear_problem(name: str, module) -> str | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return f"{name} has no 2-D weight"
+    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{name} weight is {weight.dtype} (quantised)"
+    method = type(getattr(module, "quant_method", None)).__name__
+    if method not in ("NoneType", "UnquantizedLinearMethod"):
+        return f"{name} quant_method {method}"
+    if getattr(module, "tp_size", 1) not in (None, 1):
+        return f"{name} tensor-parallel"
+    return None
+
+
+def _norm_problem(name: str, module) -> str | None:
+    if not isinstance(getattr(module, "weight", None), torch.Tensor):
+        return f"{name} has no weight"
+    if not isinstance(getattr(module, "variance_epsilon", None), float):
+        return f"{name} has no variance_epsilon"
+    return None
+
+
+def cast_chain_norm(norm) -> bool | None:
+    """Whether the release's ``Qwen3RMSNorm`` normalises through the fp32 cast chain (True),
+    ``F.rms_norm`` (False), or neither that this body knows (None)."""
+    try:
+        source = inspect.getsource(type(norm).forward)
+    except (OSError, TypeError):
+        return None
+    if "rms_norm(" in source:
+        return False
+    if "rsqrt" in source and "float32" in source:
+        return True
+    return None
+
+
+def structure_problem(language_model, rope_per_layer: bool) -> Reason | None:
+    """Why the fast body would not compute what the generation pathway computes; None if it
+    would."""
+    model = language_model.model
+    try:
+        layers = model.layers
+        kinds = {cast_chain_norm(model.norm_mot_gen)}
+        first = layers[0].self_attn
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp_mot_gen
+            bad = [p for p in (
+                _linear_problem("qkv_proj_mot_gen", attn.qkv_proj_mot_gen),
+                _linear_problem("o_proj_mot_gen", attn.o_proj_mot_gen),
+                _linear_problem("gate_up_proj", mlp.gate_up_proj),
+                _linear_problem("down_proj", mlp.down_proj)) if p]
+            norms = {"input_layernorm_mot_gen": layer.input_layernorm_mot_gen,
+                     "post_attention_layernorm_mot_gen": layer.post_attention_layernorm_mot_gen,
+                     "q_norm_mot_gen": attn.q_norm_mot_gen, "k_norm_mot_gen": attn.k_norm_mot_gen,
+                     "q_norm_hw_mot_gen": attn.q_norm_hw_mot_gen,
+                     "k_norm_hw_mot_gen": attn.k_norm_hw_mot_gen}
+            bad += [p for p in (_norm_problem(n, m) for n, m in norms.items()) if p]
+            kinds |= {cast_chain_norm(m) for m in norms.values()}
+            if getattr(mlp.gate_up_proj, "bias", None) is not None or \
+                    getattr(mlp.down_proj, "bias", None) is not None:
+                bad.append("MLP bias")
+            if type(getattr(mlp, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+                bad.append(f"MLP activation {type(getattr(mlp, 'act_fn', None)).__name__}")
+            if attn.q_size != attn.num_heads * attn.head_dim or \
+                    attn.kv_size != attn.num_kv_heads * attn.head_dim:
+                bad.append("sharded attention heads")
+            if rope_per_layer and layer is not layers[0]:
+                for rot in ("rotary_emb", "rotary_emb_hw"):
+                    if not torch.equal(getattr(attn, rot).inv_freq, getattr(first, rot).inv_freq):
+                        bad.append(f"{rot} differs from layer 0's")
+            if bad:
+                return STRUCTURE.because(f"layer {i}: {', '.join(bad)}")
+        if len(kinds) != 1 or None in kinds:
+            return STRUCTURE.because("RMSNorm is neither F.rms_norm nor the fp32 cast chain, or "
+                                     "mixed")
+    except (AttributeError, IndexError, TypeError) as exc:
+        return STRUCTURE.because(repr(exc)[:300])
+    return None
+
+
+# -- the body -----------------------------------------------------------------------------------
+
+_COMPILED: dict[str, tuple] = {}
+
+
+def _compiled():
+    """(backend, compiled pre, compiled post), once per process."""
+    if "fast" not in _COMPILED:
+        backend = Inductor({"emulate_precision_casts": True})
+        _COMPILED["fast"] = (backend, *(torch.compile(fn, backend=backend, fullgraph=True,
+                                                      dynamic=False)
+                                        for fn in (pre_attention, post_attention)))
+    return _COMPILED["fast"]
+
+
+def compiled_graphs() -> int:
+    """Graphs Inductor compiled for this body in this process (first compiles and recompiles)."""
+    return sum(entry[0].graphs for entry in _COMPILED.values())
+
+
+class FastGen:
+    """The generation pathway's forward over a branch step's image tokens, fast mode (module
+    docstring). Called as ``denoise.GenForward`` is: ``past_key_values`` holds per layer
+    ``flash_k_cache`` / ``flash_v_cache`` ``(B, prefix + image, kv_heads, D)`` and
+    ``flash_prefix_len``; the image rows are overwritten. ``attention``: from
+    ``kernels.select_dense_attention``; call ``prepare`` for each buffer shape outside a capture.
+    Raises ``CompileFailed`` (compile unavailable here, or a compile that failed)."""
+
+    def __init__(self, language_model, layout, attention, output, *, compile: bool = True):
+        problem = structure_problem(language_model, layout.rope_per_layer)
+        if problem is not None:
+            raise ValueError(problem.describe())
+        self.lm = language_model
+        self.layout = layout
+        self.attention = attention
+        self.output = output
+        self.compile = compile
+        model = language_model.model
+        layers = model.layers
+        self.cast_chain = bool(cast_chain_norm(model.norm_mot_gen))
+        first = layers[0].self_attn
+        self._rope_modules = ((first.rotary_emb, first.rotary_emb_hw) if layout.rope_per_layer
+                              else (model.rotary_emb, model.rotary_emb_hw))
+        self.scale = float(getattr(first, "scaling", first.head_dim ** -0.5))
+        self._input_norm = (layers[0].input_layernorm_mot_gen.weight,
+                            layers[0].input_layernorm_mot_gen.variance_epsilon)
+        self._pre_args, self._post_args = [], []
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp_mot_gen
+            nxt = (layers[i + 1].input_layernorm_mot_gen if i + 1 < len(layers)
+                   else model.norm_mot_gen)
+            self._pre_args.append((
+                a.qkv_proj_mot_gen.weight, getattr(a.qkv_proj_mot_gen, "bias", None),
+                a.q_norm_mot_gen.weight, a.k_norm_mot_gen.weight, a.q_norm_hw_mot_gen.weight,
+                a.k_norm_hw_mot_gen.weight))
+            self._post_args.append((
+                a.o_proj_mot_gen.weight, getattr(a.o_proj_mot_gen, "bias", None),
+                layer.post_attention_layernorm_mot_gen.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight, nxt.weight, layer.post_attention_layernorm_mot_gen
+                .variance_epsilon, nxt.variance_epsilon))
+        self._shape = (first.num_heads, first.num_kv_heads, first.head_dim,
+                       first.q_norm_mot_gen.variance_epsilon)
+        if compile:
+            found = compile_supported(layers[0].self_attn.qkv_proj_mot_gen.weight.device)
+            if found is not None:
+                raise CompileFailed(found)
+            _, self._pre, self._post = _compiled()
+            import torch._dynamo.exc as dynamo_exc
+
+            self._errors = tuple(filter(None, (dynamo_exc.TorchDynamoException,
+                                               getattr(dynamo_exc, "FailOnRecompileLimitHit", None))))
+        else:
+            self._pre, self._post = pre_attention, post_attention
+
+    def prepare(self, batch: int, image: int, total: int, device) -> None:
+        """What the attention needs for these shapes (at bind, outside any capture)."""
+        self.attention.prepare(batch, image, total, device)
+
+    def tables(self, hidden: Tensor, indexes: Tensor):
+        rot, rot_hw = self._rope_modules
+        return (rot(hidden, indexes[0].unsqueeze(0)), rot_hw(hidden, indexes[1].unsqueeze(0)),
+                rot_hw(hidden, indexes[2].unsqueeze(0)))
+
+    def __call__(self, inputs_embeds, image_gen_indicators, indexes, attention_mask,
+                 past_key_values, use_cache=True, compute_logits=False, **kwargs):
+        heads, kv_heads, head_dim, qk_eps = self._shape
+        x = dense_strides(inputs_embeds)
+        tables = self.tables(x, indexes)
+        w_in, eps_in = self._input_norm
+        normed = rms_norm(x, w_in, eps_in, self.cast_chain)
+        for i, cache in enumerate(past_key_values.layers):
+            wq_kv = self._pre_args[i]
+            q, k, v = self._run(self._pre, normed, *wq_kv, tables, qk_eps, self.cast_chain,
+                                heads, kv_heads, head_dim)
+            prefix = cache.flash_prefix_len
+            keys, values = cache.flash_k_cache, cache.flash_v_cache
+            keys[:, prefix:].copy_(k)
+            values[:, prefix:].copy_(v)
+            out = self.attention(q, keys, values, softmax_scale=self.scale)
+            x, normed = self._run(self._post, x, out, *self._post_args[i], self.cast_chain)
+        return self.output(hidden_states=normed, past_key_values=past_key_values)
+
+    def _run(self, fn, *args):
+        if not self.compile:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except self._errors as exc:
+            raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc
+
+
+__all__ = ["FastGen", "STRUCTURE", "cast_chain_norm", "compiled_graphs", "post_attention",
+           "pre_attention", "qk_norm_rope", "rms_norm", "structure_problem"]
