@@ -178,13 +178,16 @@ def test_selection_reasons_before_any_cuda_call():
 
 def reference_varlen(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k,
                      softmax_scale=None, causal=False):
-    """``flash_attn_varlen_func`` without paging, in plain torch, one sequence at a time."""
+    """``flash_attn_varlen_func`` without paging, in plain torch, one sequence at a time (fewer
+    K/V heads than query heads: grouped-query attention, as FlashAttention takes it)."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     outs = []
     for b in range(cu_seqlens_q.numel() - 1):
         qs = q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].transpose(0, 1)
         ks = k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]].transpose(0, 1)
         vs = v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]].transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=softmax_scale).transpose(0, 1))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, scale=softmax_scale, **gqa)
+                    .transpose(0, 1))
     return torch.cat(outs)
 
 
@@ -208,12 +211,13 @@ def test_selection_probes_the_signature_not_the_version(monkeypatch):
     assert "no fa_version argument" in found.skipped[0].detail
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_flash_wrapper_packs_batches_as_sdpa_sees_them(batch):
+@pytest.mark.parametrize("batch,kv_heads", [(1, 4), (2, 4), (2, 2)])
+def test_flash_wrapper_packs_batches_as_sdpa_sees_them(batch, kv_heads):
+    """Four query heads; K/V with as many, or two (SenseNova-U1's grouped-query layers)."""
     kernel = kernels.FlashAttention(reference_varlen, 3, pass_version=False)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, 5, 2, 16, generator=gen)
-    k, v = (torch.randn(batch, 13, 2, 16, generator=gen) for _ in range(2))
+    q = torch.randn(batch, 5, 4, 16, generator=gen)
+    k, v = (torch.randn(batch, 13, kv_heads, 16, generator=gen) for _ in range(2))
     cu = kernel.prepare(batch, 5, 13, "cpu")
     assert cu[0].tolist() == [5 * i for i in range(batch + 1)] and cu[0].dtype == torch.int32
     assert cu[1].tolist() == [13 * i for i in range(batch + 1)]

@@ -314,7 +314,8 @@ class FlashAttention:
                                    f"capture (cu_seqlens would live in the graph's pool)")
             cu = self.prepare(b, tq, tk, q.device)
         # max_seqlen_* are host ints a captured graph keeps: shapes are fixed per entry.
-        out = self._fn(q.reshape(b * tq, h, d), k.reshape(b * tk, h, d), v.reshape(b * tk, h, d),
+        hk = k.shape[2]  # K/V heads: fewer than h under grouped-query attention
+        out = self._fn(q.reshape(b * tq, h, d), k.reshape(b * tk, hk, d), v.reshape(b * tk, hk, d),
                        max_seqlen_q=tq, cu_seqlens_q=cu[0], max_seqlen_k=tk, cu_seqlens_k=cu[1],
                        softmax_scale=softmax_scale, causal=False, **self._extra)
         return out.view(b, tq, h, d)
