@@ -71,6 +71,20 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 5,
     return statistics.median(samples)
 
 
+def capture_graph(fn: Callable[[], object]):
+    """``fn`` warmed up on a side stream, then captured: (the CUDA graph, what the capture
+    returned: the output tensors a replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def copy_bandwidth_bytes_per_s(size_bytes: int = 4 << 30) -> float:
     """Device-to-device copy rate counted as read + write, the ceiling for a weight-streaming step."""
     src = torch.empty(size_bytes // 2, dtype=torch.bfloat16, device="cuda")

@@ -37,6 +37,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
 
 from vllm_omni_graphdecode import kernels
 from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step as fs
@@ -141,14 +144,7 @@ class Probe:
         if not self.cuda:
             return {"skipped": "not CUDA"}
         expected = fn().clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        graph, out = common.capture_graph(fn)
         graph.replay()
         self.sync()
         equal = bool(torch.equal(out, expected))

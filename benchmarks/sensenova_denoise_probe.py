@@ -72,32 +72,16 @@ class Probe:
 
     def time_ms(self, fn) -> float:
         """Median ms per call: a CUDA graph's replay where there is CUDA, else a plain call."""
-        run = fn
         if self.cuda:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            run = graph.replay
+            graph, _ = common.capture_graph(fn)
+            return round(common.time_ms(graph.replay, warmup=1, repeats=self.args.iters), 4)
+        run = fn
         run()
-        self.sync()
         samples = []
         for _ in range(self.args.iters):
             start = time.perf_counter()
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b))
-            else:
-                run()
-                samples.append((time.perf_counter() - start) * 1e3)
+            run()
+            samples.append((time.perf_counter() - start) * 1e3)
         return round(statistics.median(samples), 4)
 
     def attempt(self, record: dict, key: str, fn):

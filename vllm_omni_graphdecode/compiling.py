@@ -78,3 +78,20 @@ def compile_supported(device) -> Reason | None:
         found = any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "g++", "c++", "clang++"))
         return None if found else NO_CXX.because("no g++, c++, clang++ or $CXX on PATH")
     return NO_COMPILE.because(f"device type {device.type}")
+
+
+def dynamo_errors() -> tuple[type, ...]:
+    """What a compiled region raises when Dynamo cannot compile or recompile it."""
+    import torch._dynamo.exc as dynamo_exc
+
+    # FailOnRecompileLimitHit (torch >= 2.6) is not a TorchDynamoException.
+    return tuple(filter(None, (dynamo_exc.TorchDynamoException,
+                               getattr(dynamo_exc, "FailOnRecompileLimitHit", None))))
+
+
+def call_compiled(fn, errors: tuple[type, ...], *args):
+    """``fn(*args)``, a compile error turned into ``CompileFailed`` (the caller's exact step)."""
+    try:
+        return fn(*args)
+    except errors as exc:
+        raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc

@@ -58,8 +58,10 @@ from ...compiling import (  # noqa: F401 - shared with SenseNova-U1's fast denoi
     NO_TRITON,
     CompileFailed,
     Inductor as _Inductor,
+    call_compiled,
     compile_supported,
     dense_strides as _dense_strides,
+    dynamo_errors,
 )
 from ...reasons import Reason
 
@@ -273,11 +275,7 @@ class FastBlocks:
             if found is not None:
                 raise CompileFailed(found)
             _, self._pre, self._post = _compiled(emulate_casts)
-            import torch._dynamo.exc as dynamo_exc
-
-            # FailOnRecompileLimitHit (torch >= 2.6) is not a TorchDynamoException.
-            self._errors = tuple(filter(None, (dynamo_exc.TorchDynamoException,
-                                               getattr(dynamo_exc, "FailOnRecompileLimitHit", None))))
+            self._errors = dynamo_errors()
         else:
             self._pre, self._post = _pre_attention, _post_attention
 
@@ -311,9 +309,4 @@ class FastBlocks:
         return self._run(self._post, hidden, out, modulation, *self._post_args[i])
 
     def _run(self, fn, *args):
-        if not self.compile:
-            return fn(*args)
-        try:
-            return fn(*args)
-        except self._errors as exc:
-            raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc
+        return call_compiled(fn, self._errors, *args) if self.compile else fn(*args)

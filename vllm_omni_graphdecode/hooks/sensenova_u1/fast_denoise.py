@@ -43,8 +43,10 @@ from ...compiling import (
     COMPILE_FAILED,
     CompileFailed,
     Inductor,
+    call_compiled,
     compile_supported,
     dense_strides,
+    dynamo_errors,
 )
 from ...reasons import Reason
 
@@ -261,10 +263,7 @@ class FastGen:
             if found is not None:
                 raise CompileFailed(found)
             _, self._pre, self._post = _compiled()
-            import torch._dynamo.exc as dynamo_exc
-
-            self._errors = tuple(filter(None, (dynamo_exc.TorchDynamoException,
-                                               getattr(dynamo_exc, "FailOnRecompileLimitHit", None))))
+            self._errors = dynamo_errors()
         else:
             self._pre, self._post = pre_attention, post_attention
 
@@ -297,13 +296,8 @@ class FastGen:
         return self.output(hidden_states=normed, past_key_values=past_key_values)
 
     def _run(self, fn, *args):
-        if not self.compile:
-            return fn(*args)
-        try:
-            return fn(*args)
-        except self._errors as exc:
-            raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc
+        return call_compiled(fn, self._errors, *args) if self.compile else fn(*args)
 
 
-__all__ = ["FastGen", "STRUCTURE", "cast_chain_norm", "compiled_graphs", "post_attention",
+__all__ = ["COMPILE_FAILED", "CompileFailed", "FastGen", "STRUCTURE", "cast_chain_norm", "compiled_graphs", "post_attention",
            "pre_attention", "qk_norm_rope", "rms_norm", "structure_problem"]
