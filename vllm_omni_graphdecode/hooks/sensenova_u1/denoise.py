@@ -201,6 +201,9 @@ class Denoiser:
         # else the Reason it does not; None in the exact mode.
         self.fast: fast_denoise.FastGen | Reason | None = None
         self._fast_code = None
+        if cfg.sensenova_denoise == "fast":  # built now, so the load's summary says what runs
+            weight = self.lm.model.layers[0].self_attn.qkv_proj_mot_gen.weight
+            self.fast = self._build_fast(weight.dtype)
         self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
                                                 capture=capture is not False,
@@ -427,8 +430,11 @@ class Denoiser:
 
     def describe(self) -> str:
         where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
-        body = ("fast mode: restated layers, Inductor-fused, FlashAttention"
-                if self.cfg.sensenova_denoise == "fast" else "the pipeline's own code")
+        body = "the pipeline's own code"
+        if isinstance(self.fast, fast_denoise.FastGen):
+            body = f"fast mode: restated layers, Inductor-fused, {self.fast.attention.name}"
+        elif isinstance(self.fast, Reason):
+            body += f"; fast mode not applicable: {self.fast.describe()}"
         line = f"image denoising: each CFG branch's step replayed ({where}, {body})"
         device = torch.device(getattr(self.pipeline, "device", "cpu"))
         if self.capture is None and device.type != "cuda":
