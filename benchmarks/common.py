@@ -13,6 +13,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -69,6 +70,33 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 3, repeats: int = 5,
         end.synchronize()
         samples.append(start.elapsed_time(end) / inner)
     return statistics.median(samples)
+
+
+class Marks:
+    """Points on the device's timeline: CUDA events (recorded, never waited on until ``sync``),
+    or ``perf_counter`` readings on a CPU, where every op has finished on return. ``mark(name)``
+    also keeps the point under ``points[name]``."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.points: dict[str, list] = {}
+
+    def mark(self, name: str | None = None):
+        if self.cuda:
+            point = torch.cuda.Event(enable_timing=True)
+            point.record()
+        else:
+            point = time.perf_counter()
+        if name is not None:
+            self.points.setdefault(name, []).append(point)
+        return point
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
 
 def capture_graph(fn: Callable[[], object]):

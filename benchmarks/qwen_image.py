@@ -102,6 +102,7 @@ for _path in (REPO, os.path.join(REPO, "examples"), os.path.dirname(os.path.absp
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import common  # noqa: E402
 import make_tiny_checkpoints as tiny  # noqa: E402  (examples/: the tiny builders and templates)
 
 SIZES = ("real", "tiny")
@@ -266,35 +267,11 @@ def param_counts(pipe) -> dict[str, int]:
 
 # -- timing one image ----------------------------------------------------------------------------
 
-class _Marks:
-    """Named points on the device's timeline: CUDA events (recorded, never waited on, until
-    ``sync``), or ``perf_counter`` readings on a CPU, where every op has finished on return."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.points: dict[str, list] = {}
-
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            point = torch.cuda.Event(enable_timing=True)
-            point.record()
-        else:
-            point = time.perf_counter()
-        self.points.setdefault(name, []).append(point)
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 class _Instrumented:
     """Wraps ``encode_prompt``, ``scheduler.set_begin_index`` and ``vae.decode`` on the instances
     (never the classes) to mark their boundaries; restores them on exit."""
 
-    def __init__(self, pipe, marks: _Marks, seen: dict):
+    def __init__(self, pipe, marks: common.Marks, seen: dict):
         self.marks, self.seen = marks, seen
         self.owners = ((pipe, "encode_prompt"), (pipe.scheduler, "set_begin_index"),
                        (pipe.vae, "decode"))
@@ -330,7 +307,7 @@ class _Instrumented:
                 delattr(owner, name)
 
 
-def _split(marks: _Marks, steps: int) -> dict[str, Any]:
+def _split(marks: common.Marks, steps: int) -> dict[str, Any]:
     """The phases of one image, in ms: encode (every ``encode_prompt`` call), denoise (loop start
     to the last step's end), per-step times, decode, and the rest (latents, timesteps,
     post-processing)."""
@@ -373,7 +350,7 @@ def generate(pipe, prompt, *, height, width, steps, true_cfg_scale, seed, negati
         # 1 - sigmas[-1], which is 0 for a one-step schedule: every sigma would be NaN.
         raise ValueError(f"steps={steps}: the scheduler needs at least 2 steps")
     device = pipe._execution_device
-    marks = _Marks(device)
+    marks = common.Marks(device)
     seen: dict = {}
     generator = torch.Generator(device=device).manual_seed(seed)
 

@@ -361,28 +361,6 @@ def make_request(*, size: int, steps: int, cfg: float, think: bool, seed: int, p
                                                        request_id=f"bench-{tag}")])
 
 
-class Marks:
-    """Points on the device's timeline: CUDA events (recorded, never waited on until ``sync``),
-    or ``perf_counter`` readings on a CPU, where every op has finished on return."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 class Instrumented:
     """Wrappers on the pipeline instance (never the class, never the language model), outermost
     over whatever is there now (the plugin's wrappers included), for one request; restored on
@@ -392,7 +370,7 @@ class Instrumented:
                "_generate_think", "_expand_and_prepare_kv", "_run_denoising_loop",
                "_extract_feature", "_denoise", "_t2i_predict_v", "combine_cfg_noise")
 
-    def __init__(self, pipe, marks: Marks, think_tokens: int):
+    def __init__(self, pipe, marks: common.Marks, think_tokens: int):
         self.pipe, self.marks, self.think_tokens = pipe, marks, think_tokens
         self.saved: dict[str, Any] = {}
         self.setup: list = []
@@ -626,7 +604,7 @@ def run_request(pipe, request, device: torch.device, think_tokens: int):
     """One ``pipe.forward(request)``; returns (image as a uint8 array, breakdown)."""
     import numpy as np
 
-    marks = Marks(device)
+    marks = common.Marks(device)
     with Instrumented(pipe, marks, think_tokens) as ins:
         marks.sync()
         start = marks.mark()
@@ -644,7 +622,7 @@ def audit_syncs(pipe, request, device: torch.device, think_tokens: int) -> dict:
     if device.type != "cuda":
         return {"skipped": "CUDA only (torch.cuda.set_sync_debug_mode)"}
     counts: collections.Counter = collections.Counter()
-    marks = Marks(device)
+    marks = common.Marks(device)
     with Instrumented(pipe, marks, think_tokens) as ins:
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
