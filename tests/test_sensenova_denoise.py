@@ -9,7 +9,6 @@ tested on the GPU (``tests/test_sensenova_denoise_gpu.py``). Without that overri
 runs its own steps with the reason counted, as production does.
 """
 
-import importlib.util
 import os
 
 import numpy as np
@@ -21,7 +20,6 @@ from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
 from vllm_omni_graphdecode.testing import random_models as rm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = denoise.MODEL
 
 
@@ -34,13 +32,8 @@ def _cfg(**env):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_checkpoints", os.path.join(ROOT, "examples", "make_tiny_checkpoints.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path_factory.mktemp("tiny_ckpts")
-    assert module.main([str(out)]) == 0
-    return str(out / "sensenova_u1")
+    out = rm.write_tiny_checkpoints(tmp_path_factory.mktemp("tiny_ckpts"))
+    return os.path.join(out, "sensenova_u1")
 
 
 # bf16, as served: vllm-omni's edit path casts the reference images to bf16 whatever the model's

@@ -289,17 +289,11 @@ def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
     plugin's static-buffer step (the backport layout: rope tables in every layer) against the
     pipeline's own, for a text-to-image request with CFG 4 (cond and uncond branches; 0.28's CFG
     mixin asks for vllm-omni's classifier-free-guidance group, which ``setup_runtime`` makes)."""
-    import importlib.util
     import tempfile
 
     import torch
 
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_checkpoints", REPO / "examples" / "make_tiny_checkpoints.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    tmp = tempfile.mkdtemp(prefix="omni028_ckpt_")
-    module.main([tmp])
+    tmp = st.write_tiny_checkpoints(tempfile.mkdtemp(prefix="omni028_ckpt_"))
     ckpt = os.path.join(tmp, "sensenova_u1")
     request = st.image_request(num_steps=3)
 

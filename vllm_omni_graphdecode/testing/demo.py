@@ -119,7 +119,6 @@ def sensenova(device: str) -> bool:
 def sensenova_image(device: str) -> bool:
     """A SenseNova-U1 text-to-image request (CFG 4) through vllm-omni's whole pipeline, built by
     its own ``__init__`` from the tiny checkpoint ``examples/make_tiny_checkpoints.py`` writes."""
-    import importlib.util
     import tempfile
 
     import numpy as np
@@ -127,16 +126,11 @@ def sensenova_image(device: str) -> bool:
     from . import random_models as rm
 
     print("\n== SenseNova-U1 image (vllm-omni SenseNovaU1Pipeline, tiny checkpoint) ==")
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "examples", "make_tiny_checkpoints.py")
-    if not os.path.exists(script):
-        print(f"skipped: {script} not found (the demo's image part runs from the repository)")
+    if not os.path.exists(rm.TINY_CHECKPOINTS):
+        print(f"skipped: {rm.TINY_CHECKPOINTS} not found (the demo's image part runs from the "
+              f"repository)")
         return True
-    spec = importlib.util.spec_from_file_location("make_tiny_checkpoints", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tempfile.mkdtemp(prefix="graphdecode_demo_")
-    module.main([out])
+    out = rm.write_tiny_checkpoints(tempfile.mkdtemp(prefix="graphdecode_demo_"))
     checkpoint = os.path.join(out, "sensenova_u1")
     request = rm.image_request(num_steps=6)
 

@@ -23,6 +23,7 @@ released shape) and request inputs laid out as ``QwenImage21Pipeline`` lays them
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from types import SimpleNamespace
@@ -425,6 +426,25 @@ def synthetic_inputs(transformer, *, batch: int = 1, text_tokens: int = 256,
 # ---------------------------------------------------------------------------------------------
 # SenseNova-U1, the whole pipeline (image generation included)
 # ---------------------------------------------------------------------------------------------
+
+TINY_CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples", "make_tiny_checkpoints.py")
+
+
+def write_tiny_checkpoints(out: str) -> str:
+    """Run ``examples/make_tiny_checkpoints.py`` into ``out`` (it lives in the repository, not in
+    the installed package: FileNotFoundError elsewhere); returns ``out``."""
+    import importlib.util
+
+    if not os.path.exists(TINY_CHECKPOINTS):
+        raise FileNotFoundError(TINY_CHECKPOINTS)
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoints", TINY_CHECKPOINTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.main([str(out)]) != 0:
+        raise RuntimeError(f"{TINY_CHECKPOINTS} {out} failed")
+    return str(out)
+
 
 def load_sensenova_pipeline(checkpoint: str, *, device: str = "cpu", dtype=torch.float32):
     """vllm-omni's ``SenseNovaU1Pipeline`` built by its own ``__init__`` from ``checkpoint`` (a
