@@ -366,7 +366,7 @@ class Denoiser:
         entry = self.graphs.bind(owner, key, prefix_kv, request, step, tail=image)
         if entry is None:
             return None
-        fast = self._fast_for(kwargs["input_embeds"].dtype)
+        fast = self._fast_for()
         if fast is not None:
             fast.prepare(key.batch, image, prefix + image, kwargs["z"].device)
         # The cache reads the entry's rows from now on (the entry is the owner's while it lives):
@@ -375,14 +375,9 @@ class Denoiser:
             layer.flash_k_cache, layer.flash_v_cache = k, v
         return entry
 
-    def _fast_for(self, dtype) -> fast_denoise.FastGen | None:
-        """The fast body, built at the first bind (the attention kernel is chosen for the
-        model's device), or None: the exact mode, or the fast one does not apply here (the
-        reason counted as a degraded path each time a branch binds)."""
-        if self.cfg.sensenova_denoise != "fast":
-            return None
-        if self.fast is None:
-            self.fast = self._build_fast(dtype)
+    def _fast_for(self) -> fast_denoise.FastGen | None:
+        """The fast body (built at install), or None: the exact mode, or the fast one does not
+        apply here (the reason counted as a degraded path each time a branch binds)."""
         if isinstance(self.fast, Reason):
             stats.degraded(MODEL, FAST_NOT_HERE.because(self.fast.describe()))
             return None
