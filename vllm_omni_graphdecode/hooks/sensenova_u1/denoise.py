@@ -36,7 +36,8 @@ Measured (H200, 1024x1024, 50 steps, CFG 4; ``benchmarks/results/h200-2026-12-01
 both branches 118.6 -> 83.8 ms on vllm-omni 0.26 (its generation path launches ~2,600 kernels a
 branch step: the eager step waits on the host), 81.5 -> 72.4 ms on 0.30 (~800 kernels), images
 identical. On by default (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off`` turns it off).
-Not done (issue #13): a fused or compiled step body (this mode is exact), and graphing the
+``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` replays ``fast_denoise.FastGen`` instead of the
+pipeline's code (written without a GPU, not yet measured). Not done (issue #13): graphing the
 per-step work outside the branches (13 host syncs a step).
 """
 
@@ -197,8 +198,8 @@ class Denoiser:
         self.capture = capture
         predict = type(pipeline)._t2i_predict_v
         self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
-        # fast mode: the FastGen body where it applies (built at the first bind on its device),
-        # else the Reason it does not; None in the exact mode.
+        # fast mode: the FastGen body where it applies, else the Reason it does not; None in the
+        # exact mode.
         self.fast: fast_denoise.FastGen | Reason | None = None
         self._fast_code = None
         if cfg.sensenova_denoise == "fast":  # built now, so the load's summary says what runs
