@@ -74,6 +74,13 @@ What is timed, per side and think mode
     ``torch.cuda.set_sync_debug_mode("warn")`` and counts the host syncs by phase (``syncs``):
     what a captured step must not contain.
 
+    ``--rounding-references``: after the eager side, the think-off request again under each
+    rounding vllm-omni ships or has shipped (``ROUNDING_REFERENCES``: its PyTorch rope fallback
+    for its Triton kernel; the other releases' ``Qwen3RMSNorm``), with its PSNR against eager's
+    image and the plugin's (``environment.rounding_references``). With random weights 50 steps
+    amplify any rounding difference; these say how far the release's own variants drift, the
+    scale on which a fast mode's PSNR is read.
+
 Rows
     ``sensenova_t2i_SIZE`` (think off), ``sensenova_t2i_think_SIZE`` (think on): whole request,
     ``eager_ms``, ``ours_ms``, ``speedup``, ``first_*_ms``, ``psnr_db`` of the plugin's PIL image
@@ -849,6 +856,87 @@ def psnr_db(a, b) -> float:
     return math.inf if mse == 0.0 else 10.0 * math.log10(255.0 ** 2 / mse)
 
 
+# -- rounding references ---------------------------------------------------------------------------
+#
+# How far apart two images are that vllm-omni itself would call the same computation: the eager
+# request run again with one rounding difference the release ships or has shipped. The plugin's
+# fast denoising mode (its own rounding) is read against these, not against "identical".
+
+ROUNDING_REFERENCES = {
+    "rope_fallback": "vllm-omni's own PyTorch q/k norm + 3-D rope (what it runs when its Triton "
+                     "kernel does not import) in place of the Triton kernel",
+    "other_release_rmsnorm": "Qwen3RMSNorm as the other releases define it (0.24-0.28: the fp32 "
+                             "cast chain; 0.30: F.rms_norm), swapped on the class",
+}
+TRITON_ROPE_MODULE = "vllm_omni.diffusion.models.sensenova_u1.fused_rmsnorm_rope"
+
+
+class rounding_variant:
+    """Context manager: ``pipe`` computes with the named reference's rounding
+    (``ROUNDING_REFERENCES``), restored on exit."""
+
+    def __init__(self, pipe, name: str):
+        if name not in ROUNDING_REFERENCES:
+            raise ValueError(f"unknown rounding reference {name!r}; accepted: "
+                             f"{', '.join(ROUNDING_REFERENCES)}")
+        self.pipe, self.name = pipe, name
+        self.undo = None
+
+    def __enter__(self):
+        if self.name == "rope_fallback":
+            saved = sys.modules.get(TRITON_ROPE_MODULE, False)
+            sys.modules[TRITON_ROPE_MODULE] = None  # the per-call import raises ImportError
+
+            def undo():
+                if saved is False:
+                    sys.modules.pop(TRITON_ROPE_MODULE, None)
+                else:
+                    sys.modules[TRITON_ROPE_MODULE] = saved
+        else:
+            from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise as fd
+
+            cls = type(self.pipe.language_model.model.norm_mot_gen)
+            chain = fd.cast_chain_norm(self.pipe.language_model.model.norm_mot_gen)
+            if chain is None:
+                raise RuntimeError(f"{cls.__qualname__}.forward is neither definition")
+            original = cls.forward
+
+            def forward(norm, hidden_states):
+                return fd.rms_norm(hidden_states, norm.weight, norm.variance_epsilon,
+                                   not chain)
+
+            cls.forward = forward
+
+            def undo():
+                cls.forward = original
+        self.undo = undo
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+        return False
+
+
+def rounding_references(pipe, args, device, log: Log, eager_image) -> dict:
+    """Each reference's think-off image (one request, same seed) and its PSNR against eager's."""
+    out = {}
+    request = make_request(size=args.size, steps=args.steps, cfg=args.cfg, think=False,
+                           seed=args.seed, prompt=args.prompt, tag="rounding-reference")
+    for name, what in ROUNDING_REFERENCES.items():
+        try:
+            with rounding_variant(pipe, name):
+                image, bd = run_request(pipe, request, device, args.think_tokens)
+        except Exception as exc:  # a reference missing must not lose the run
+            out[name] = {"what": what, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            log(f"rounding reference {name}: {out[name]['error']}")
+            continue
+        out[name] = {"what": what, "image": image, "ms": bd["total_ms"],
+                     "psnr_db_vs_eager": psnr_db(eager_image, image)}
+        log(f"rounding reference {name}: PSNR {out[name]['psnr_db_vs_eager']:.2f} dB against "
+            f"eager ({bd['total_ms']:.1f} ms)")
+    return out
+
+
 def _json_safe(value):
     """JSON without NaN/Infinity literals: an infinite PSNR is written as the string "inf"."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -978,6 +1066,10 @@ def main(argv=None) -> int:
     ap.add_argument("--denoise", choices=("graph", "fast"), default="graph",
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (graph: the "
                          "exact mode, the pipeline's own step; fast: the restated body)")
+    ap.add_argument("--rounding-references", action="store_true",
+                    help="also run the think-off request with each rounding vllm-omni ships or "
+                         "has shipped (ROUNDING_REFERENCES) and report its PSNR against eager's "
+                         "and the plugin's image: the scale a fast mode's PSNR is read on")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one cond branch step per side (kernels by category)")
     ap.add_argument("--no-audit", dest="audit", action="store_false",
@@ -1042,6 +1134,10 @@ def main(argv=None) -> int:
         if args.profile:
             profiles["eager"] = _profile_or_error(pipe, args, device, log, "eager")
         env["eager_peak_memory_mib"] = results["eager"].pop("peak_memory_mib", None)
+        references = {}
+        if args.rounding_references and "no_think" in results["eager"]:
+            references = rounding_references(pipe, args, device, log,
+                                             results["eager"]["no_think"]["image"])
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
         write()
         cfg, record, saved = plugin_config(log, args.denoise)
@@ -1069,6 +1165,14 @@ def main(argv=None) -> int:
                              wired_extra_mib=(None if free_before is None else
                                               round(free_before - _free_mib(device), 1)))
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
+        if references:
+            ours = results.get("plugin", {}).get("no_think")
+            env["rounding_references"] = {
+                name: {k: v for k, v in ref.items() if k != "image"} | (
+                    {"psnr_db_vs_plugin": psnr_db(ours["image"], ref["image"])}
+                    if ours is not None and "image" in ref else {})
+                for name, ref in references.items()}
+            log(f"rounding references: {_json_safe(env['rounding_references'])}")
         write()
         for row in rows:
             print(json.dumps(_json_safe({k: v for k, v in row.items()

@@ -52,7 +52,7 @@ def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("sensenova_request")
     rc = sr.main(["--tiny", "--device", "cpu", "--size", str(SIZE), "--steps", str(STEPS),
                   "--cfg", "4", "--think", "both", "--think-tokens", str(THINK_TOKENS),
-                  "--profile", "--out", str(out)])
+                  "--profile", "--rounding-references", "--out", str(out)])
     with open(out / "sensenova-request.json") as f:
         data = json.load(f)
     return rc, data, out
@@ -216,6 +216,49 @@ def test_real_build_path_with_word_tokenizer_forces_think_tokens_on_a_small_shap
     # and the system message plus prompt one token per word or punctuation run.
     assert bd["prefix_tokens"]["uncond"] == 9
     assert 300 < bd["prefix_tokens"]["cond"] < 420
+
+
+def test_rounding_references_ran_after_the_eager_side_with_their_psnr_against_both_images(
+        result):
+    _, data, _ = result
+    refs = data["environment"]["rounding_references"]
+    assert set(refs) == set(sr.ROUNDING_REFERENCES)
+    for name, ref in refs.items():
+        assert "error" not in ref, (name, ref)
+        assert ref["what"] == sr.ROUNDING_REFERENCES[name] and ref["ms"] > 0
+        # on CPU the plugin side runs the pipeline's own steps: its image is eager's
+        assert ref["psnr_db_vs_plugin"] == ref["psnr_db_vs_eager"]
+    # the other releases' RMSNorm rounds differently, so its image differs from eager's
+    assert refs["other_release_rmsnorm"]["psnr_db_vs_eager"] != "inf"
+
+
+def test_rounding_variant_swaps_one_rounding_for_its_block_and_restores_it(tmp_path):
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise as fd
+
+    pipe = sr.build_tiny_pipeline(torch.device("cpu"), torch.bfloat16, 0, str(tmp_path))
+    norm = pipe.language_model.model.norm_mot_gen
+    cls, forward = type(norm), type(norm).forward
+    chain = fd.cast_chain_norm(norm)
+    assert chain is not None
+    probe = cls(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(64) + 0.5)
+    x = torch.randn(8, 64, dtype=torch.bfloat16) * 3
+    own = probe(x)
+    with sr.rounding_variant(pipe, "other_release_rmsnorm"):
+        swapped = probe(x)
+        assert torch.equal(swapped, fd.rms_norm(x, probe.weight, 1e-6, not chain))
+        assert not torch.equal(swapped, own)  # the two definitions round apart on this input
+    assert cls.forward is forward and torch.equal(probe(x), own)
+    assert torch.equal(own, fd.rms_norm(x, probe.weight, 1e-6, chain))
+
+    before = sys.modules.get(sr.TRITON_ROPE_MODULE, "absent")
+    with sr.rounding_variant(pipe, "rope_fallback"):
+        with pytest.raises(ImportError):
+            __import__(sr.TRITON_ROPE_MODULE)
+    assert sys.modules.get(sr.TRITON_ROPE_MODULE, "absent") is before
+    with pytest.raises(ValueError, match="rope_fallback, other_release_rmsnorm"):
+        sr.rounding_variant(pipe, "fp64")
 
 
 def test_psnr_db_is_inf_for_equal_images_and_10log10_of_peak_over_mse_otherwise():
