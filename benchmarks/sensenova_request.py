@@ -118,8 +118,8 @@ What is real and what is random (``--size`` is the image side; the model is the 
     values, not work). 17.55 B parameters, the released model's count (FACTS 6; the test builds
     this shape on the meta device and checks it), 35.1 GB bf16.
 
-Numbers: none yet (written without a GPU; issue #13). Expect 35.1 GB of weights and a peak of
-~38-40 GB (prefill logits, prefix + image K/V buffers of both branches, the in-tree decode cache,
+Numbers: ``benchmarks/results/h200-2026-12-01b`` (eager, exact mode) and ``h200-2026-12-01c``
+(fast mode, rounding references). 35.1 GB of weights, a peak of ~34-36 GB (prefill logits, prefix + image K/V buffers of both branches, the in-tree decode cache,
 the plugin's static buffers and graphs; measured: ``*_peak_memory_mib`` in the environment).
 The wrappers add a few Python calls and event records per step (microseconds against a step of
 tens of milliseconds).
