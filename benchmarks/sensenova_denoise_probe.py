@@ -161,24 +161,6 @@ def probe_layer(pipe, kw, args, device) -> dict:
         p.attempt(rec, "compiled_ms", lambda: p.time_ms(call))
         p.attempt(rec, "compiled_max_abs_diff", lambda: _diff(call(), want[:2]))
 
-    # The body's own backend (emulate_precision_casts), the restated function as the body runs
-    # it against the whole-head candidate (``qk_norm_rope_merged``: one reduction for both
-    # halves, one permutation for the three rotate-halves, tables merged once a step).
-    if args.compile:
-        from vllm_omni_graphdecode.compiling import Inductor
-
-        backend = Inductor({"emulate_precision_casts": True})
-        merged = fd.merge_tables(tables)
-        rec["merged_eager_equals_restated"] = all(
-            torch.equal(a, b) for a, b in zip(
-                fd.qk_norm_rope_merged(q, k, *weights, merged, eps, chain), restated()))
-        for key, fn, tabs in (("body", fd.qk_norm_rope, tables),
-                              ("merged", fd.qk_norm_rope_merged, merged)):
-            compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-            call = functools.partial(compiled, q, k, *weights, tabs, eps, chain)
-            p.attempt(rec, f"{key}_compiled_ms", lambda c=call: p.time_ms(c))
-            p.attempt(rec, f"{key}_compiled_max_abs_diff", lambda c=call: _diff(c(), want[:2]))
-
     # -- attention -------------------------------------------------------------------------------
     qs, ks, vs = want
     keys = cache.flash_k_cache[:, : prefix + s]

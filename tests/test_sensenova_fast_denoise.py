@@ -133,28 +133,3 @@ def test_the_norm_kind_is_read_from_the_release(checkpoint):  # noqa: F811
     assert torch.equal(fast_denoise.rms_norm(x, module.weight, 1e-6, True), module(x))
     h = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
     assert torch.equal(fast_denoise.rms_norm(h, norm.weight, norm.variance_epsilon, False), norm(h))
-
-
-@pytest.mark.parametrize("cast_chain", [True, False], ids=["cast_chain", "rms_norm"])
-def test_the_whole_head_rope_equals_the_per_half_restatement_bit_for_bit(cast_chain):
-    """``qk_norm_rope_merged`` (what the body runs: one reduction for both halves, the three
-    rotate-halves as one permutation, merged tables) computes ``qk_norm_rope``'s bits, which
-    restate vllm-omni's PyTorch fallback op for op."""
-    gen = torch.Generator().manual_seed(0)
-    b, s, d = 2, 24, 128
-
-    def bf16(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
-
-    q, k = bf16(b, s, 8, d, scale=3.0), bf16(b, s, 2, d, scale=3.0)
-    weights = [(torch.rand(d // 2, generator=gen) + 0.5).to(torch.bfloat16) for _ in range(4)]
-    angles = [torch.randn(b, s, n, generator=gen) * 5 for n in (d // 2, d // 4, d // 4)]
-    tables = tuple((a.cos().to(torch.bfloat16), a.sin().to(torch.bfloat16)) for a in angles)
-    want = fast_denoise.qk_norm_rope(q, k, *weights, tables, 1e-6, cast_chain)
-    got = fast_denoise.qk_norm_rope_merged(q, k, *weights, fast_denoise.merge_tables(tables),
-                                           1e-6, cast_chain)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and torch.equal(g, w), (g.float() - w.float()).abs().max()
-    # the rotation is there: the t half differs from its normalised input
-    normed_t = fast_denoise.rms_norm(q[..., :d // 2], weights[0], 1e-6, cast_chain)
-    assert not torch.equal(got[0][..., :d // 2], normed_t)

@@ -97,59 +97,14 @@ def qk_norm_rope(q: Tensor, k: Tensor, wq: Tensor, wk: Tensor, wq_hw: Tensor, wk
     return one(q, wq, wq_hw), one(k, wk, wk_hw)
 
 
-def merge_tables(tables):
-    """The t, h and w rope tables as one (cos, sin) pair over the whole head, (B, S, D) each,
-    with ``rotate_half``'s sign folded into sin: ``(-x) * s`` and ``x * (-s)`` round alike, so
-    ``qk_norm_rope_merged`` over these equals ``qk_norm_rope`` over the three pairs."""
-    def signed(sin):
-        half = sin.shape[-1] // 2
-        return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-
-    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = tables
-    return (torch.cat([cos_t, cos_h, cos_w], dim=-1),
-            torch.cat([signed(sin_t), signed(sin_h), signed(sin_w)], dim=-1))
-
-
-def _halves_norm(x: Tensor, w_t: Tensor, w_hw: Tensor, eps: float, cast_chain: bool) -> Tensor:
-    """RMSNorm of each 64-wide half of the head with its own weight, as one reduction over
-    (B, S, H, 2, D/2); the result flattened back to (B, S, H, D)."""
-    b, s, h, d = x.shape
-    x5 = x.view(b, s, h, 2, d // 2)
-    w = torch.stack([w_t, w_hw])
-    xf = x5.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    n = w * xf.to(x.dtype) if cast_chain else (xf * w.float()).to(x.dtype)
-    return n.view(b, s, h, d)
-
-
-def qk_norm_rope_merged(q: Tensor, k: Tensor, wq: Tensor, wk: Tensor, wq_hw: Tensor,
-                        wk_hw: Tensor, merged, eps: float, cast_chain: bool):
-    """``qk_norm_rope`` restated over the whole head at once (a candidate, timed by
-    ``benchmarks/sensenova_denoise_probe.py``): both halves normalised in one reduction, the
-    three rotate-halves as one permutation of the normalised head, ``merge_tables``' pair."""
-    cos, sin = (t.unsqueeze(2) for t in merged)
-
-    def one(x, w_t, w_hw):
-        n = _halves_norm(x, w_t, w_hw, eps, cast_chain)
-        d = n.shape[-1]
-        t, hw = d // 2, d // 4
-        swapped = torch.cat([n[..., t // 2:t], n[..., :t // 2],
-                             n[..., t + hw // 2:t + hw], n[..., t:t + hw // 2],
-                             n[..., t + hw + hw // 2:], n[..., t + hw:t + hw + hw // 2]], dim=-1)
-        return n * cos + swapped * sin
-
-    return one(q, wq, wq_hw), one(k, wk, wk_hw)
-
-
 def pre_attention(normed: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, wq, wk, wq_hw, wk_hw,
                   tables, eps: float, cast_chain: bool, heads: int, kv_heads: int, head_dim: int):
-    """One layer up to the attention: (q, k, v), each (B, S, heads, D); ``tables`` from
-    ``merge_tables``."""
+    """One layer up to the attention: (q, k, v), each (B, S, heads, D)."""
     b, s = normed.shape[:2]
     qkv = F.linear(normed, w_qkv, b_qkv)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k = qk_norm_rope_merged(q.view(b, s, heads, head_dim), k.view(b, s, kv_heads, head_dim),
-                               wq, wk, wq_hw, wk_hw, tables, eps, cast_chain)
+    q, k = qk_norm_rope(q.view(b, s, heads, head_dim), k.view(b, s, kv_heads, head_dim),
+                        wq, wk, wq_hw, wk_hw, tables, eps, cast_chain)
     return q, k, v.reshape(b, s, kv_heads, head_dim)
 
 
@@ -321,11 +276,9 @@ class FastGen:
         self.attention.prepare(batch, image, total, device)
 
     def tables(self, hidden: Tensor, indexes: Tensor):
-        """The step's rope tables, merged over the whole head (``merge_tables``)."""
         rot, rot_hw = self._rope_modules
-        return merge_tables((rot(hidden, indexes[0].unsqueeze(0)),
-                             rot_hw(hidden, indexes[1].unsqueeze(0)),
-                             rot_hw(hidden, indexes[2].unsqueeze(0))))
+        return (rot(hidden, indexes[0].unsqueeze(0)), rot_hw(hidden, indexes[1].unsqueeze(0)),
+                rot_hw(hidden, indexes[2].unsqueeze(0)))
 
     def __call__(self, inputs_embeds, image_gen_indicators, indexes, attention_mask,
                  past_key_values, use_cache=True, compute_logits=False, **kwargs):
@@ -351,5 +304,4 @@ class FastGen:
 
 
 __all__ = ["COMPILE_FAILED", "CompileFailed", "FastGen", "STRUCTURE", "cast_chain_norm", "compiled_graphs", "post_attention",
-           "merge_tables", "pre_attention", "qk_norm_rope", "qk_norm_rope_merged",
-           "rms_norm", "structure_problem"]
+           "pre_attention", "qk_norm_rope", "rms_norm", "structure_problem"]
