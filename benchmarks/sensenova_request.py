@@ -884,6 +884,13 @@ class rounding_variant:
 
     def __enter__(self):
         if self.name == "rope_fallback":
+            import inspect
+
+            attn = self.pipe.language_model.model.layers[0].self_attn
+            source = inspect.getsource(type(attn)._project_and_rope)
+            if "import triton_qk_norm_rope" not in source:
+                raise RuntimeError("this release does not import its Triton q/k norm + rope "
+                                   "kernel per call, so blocking the import would not swap it")
             saved = sys.modules.get(TRITON_ROPE_MODULE, False)
             sys.modules[TRITON_ROPE_MODULE] = None  # the per-call import raises ImportError
 
