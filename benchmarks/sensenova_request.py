@@ -26,8 +26,9 @@ Sides (one process, one pipeline object, same seed and request)
             the pipeline's own denoising steps.
     plugin  then ``vllm_omni_graphdecode.hooks.sensenova_u1.install(pipeline, cfg, None)`` on the
             same object, ``cfg`` parsed from the environment with ``VLLM_OMNI_GRAPHDECODE=1`` and
-            ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE`` (``--denoise``: graph, or fast) set for that side only (both recorded
-            in the JSON; a value the config rejects is recorded and the side goes on without it).
+            ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE`` (``--denoise``: graph, or fast) set for
+            that side only (both recorded in the JSON; a value the config rejects is recorded
+            and the side goes on without it).
             Under the default ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer`` the think decode
             stays vllm-omni's own on 0.30, so the plugin side differs in its denoising only.
     The plugin is installed on the eager side's object (there is no uninstall, so eager runs
@@ -119,10 +120,11 @@ What is real and what is random (``--size`` is the image side; the model is the 
     this shape on the meta device and checks it), 35.1 GB bf16.
 
 Numbers: ``benchmarks/results/h200-2026-12-01b`` (eager, exact mode) and ``h200-2026-12-01c``
-(fast mode, rounding references). 35.1 GB of weights, a peak of ~34-36 GB (prefill logits, prefix + image K/V buffers of both branches, the in-tree decode cache,
-the plugin's static buffers and graphs; measured: ``*_peak_memory_mib`` in the environment).
-The wrappers add a few Python calls and event records per step (microseconds against a step of
-tens of milliseconds).
+(fast mode, rounding references). 35.1 GB of weights, a peak of ~34-36 GB (prefill logits,
+prefix + image K/V buffers of both branches, the in-tree decode cache, the plugin's static
+buffers and graphs; measured: ``*_peak_memory_mib`` in the environment). The wrappers add a
+few Python calls and event records per step (microseconds against a step of tens of
+milliseconds).
 """
 
 from __future__ import annotations

@@ -154,8 +154,9 @@ SETTINGS: tuple[Setting, ...] = (
             "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
             "own code, over static prefix + image K/V buffers per request branch) as a CUDA "
             "graph, bit for bit the pipeline's result; fast replays a restated step instead "
-            "(Inductor-fused elementwise work, FlashAttention; rounding differs; not yet "
-            "measured on a GPU); off leaves the pipeline's steps as they are. graph by default: "
+            "(Inductor-fused elementwise work, FlashAttention; 1.67x per step on 0.26, 1.20x on "
+            "0.30; rounding differs: 30.4 dB from the pipeline's image with random weights, "
+            "opt-in); off leaves the pipeline's steps as they are. graph by default: "
             "1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, 1024x1024), ~0.75 GB more "
             "peak memory."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",

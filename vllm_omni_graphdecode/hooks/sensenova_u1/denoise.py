@@ -37,9 +37,9 @@ both branches 118.6 -> 83.8 ms on vllm-omni 0.26 (its generation path launches ~
 branch step: the eager step waits on the host), 81.5 -> 72.4 ms on 0.30 (~800 kernels), images
 identical. On by default (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off`` turns it off).
 ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` replays ``fast_denoise.FastGen`` instead of the
-pipeline's code: 60.6 ms (0.26) and 61.6 ms (0.30) for both branches, the image 30.4 dB from the
-pipeline's with random weights (``benchmarks/results/h200-2026-12-01c``). Not done (issue #13): graphing the
-per-step work outside the branches (13 host syncs a step).
+pipeline's code: 60.6 ms (0.26) and 61.6 ms (0.30) for both branches, the image 30.4 dB from
+the pipeline's with random weights (``benchmarks/results/h200-2026-12-01c``). Not done (issue
+#13): graphing the per-step work outside the branches (13 host syncs a step).
 """
 
 from __future__ import annotations

@@ -303,5 +303,6 @@ class FastGen:
         return call_compiled(fn, self._errors, *args) if self.compile else fn(*args)
 
 
-__all__ = ["COMPILE_FAILED", "CompileFailed", "FastGen", "STRUCTURE", "cast_chain_norm", "compiled_graphs", "post_attention",
-           "pre_attention", "qk_norm_rope", "rms_norm", "structure_problem"]
+__all__ = ["COMPILE_FAILED", "CompileFailed", "FastGen", "STRUCTURE", "cast_chain_norm",
+           "compiled_graphs", "post_attention", "pre_attention", "qk_norm_rope", "rms_norm",
+           "structure_problem"]
