@@ -131,6 +131,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -873,57 +874,48 @@ ROUNDING_REFERENCES = {
 TRITON_ROPE_MODULE = "vllm_omni.diffusion.models.sensenova_u1.fused_rmsnorm_rope"
 
 
-class rounding_variant:
+def rounding_variant(pipe, name: str):
     """Context manager: ``pipe`` computes with the named reference's rounding
-    (``ROUNDING_REFERENCES``), restored on exit."""
+    (``ROUNDING_REFERENCES``), restored on exit. An unknown name raises here."""
+    if name not in ROUNDING_REFERENCES:
+        raise ValueError(f"unknown rounding reference {name!r}; accepted: "
+                         f"{', '.join(ROUNDING_REFERENCES)}")
+    return _rope_fallback(pipe) if name == "rope_fallback" else _other_release_rmsnorm(pipe)
 
-    def __init__(self, pipe, name: str):
-        if name not in ROUNDING_REFERENCES:
-            raise ValueError(f"unknown rounding reference {name!r}; accepted: "
-                             f"{', '.join(ROUNDING_REFERENCES)}")
-        self.pipe, self.name = pipe, name
-        self.undo = None
 
-    def __enter__(self):
-        if self.name == "rope_fallback":
-            import inspect
+@contextlib.contextmanager
+def _rope_fallback(pipe):
+    import inspect
 
-            attn = self.pipe.language_model.model.layers[0].self_attn
-            source = inspect.getsource(type(attn)._project_and_rope)
-            if "import triton_qk_norm_rope" not in source:
-                raise RuntimeError("this release does not import its Triton q/k norm + rope "
-                                   "kernel per call, so blocking the import would not swap it")
-            saved = sys.modules.get(TRITON_ROPE_MODULE, False)
-            sys.modules[TRITON_ROPE_MODULE] = None  # the per-call import raises ImportError
-
-            def undo():
-                if saved is False:
-                    sys.modules.pop(TRITON_ROPE_MODULE, None)
-                else:
-                    sys.modules[TRITON_ROPE_MODULE] = saved
+    attn = pipe.language_model.model.layers[0].self_attn
+    if "import triton_qk_norm_rope" not in inspect.getsource(type(attn)._project_and_rope):
+        raise RuntimeError("this release does not import its Triton q/k norm + rope kernel per "
+                           "call, so blocking the import would not swap it")
+    saved = sys.modules.get(TRITON_ROPE_MODULE, False)
+    sys.modules[TRITON_ROPE_MODULE] = None  # the per-call import raises ImportError
+    try:
+        yield
+    finally:
+        if saved is False:
+            sys.modules.pop(TRITON_ROPE_MODULE, None)
         else:
-            from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise as fd
+            sys.modules[TRITON_ROPE_MODULE] = saved
 
-            cls = type(self.pipe.language_model.model.norm_mot_gen)
-            chain = fd.cast_chain_norm(self.pipe.language_model.model.norm_mot_gen)
-            if chain is None:
-                raise RuntimeError(f"{cls.__qualname__}.forward is neither definition")
-            original = cls.forward
 
-            def forward(norm, hidden_states):
-                return fd.rms_norm(hidden_states, norm.weight, norm.variance_epsilon,
-                                   not chain)
+@contextlib.contextmanager
+def _other_release_rmsnorm(pipe):
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise as fd
 
-            cls.forward = forward
-
-            def undo():
-                cls.forward = original
-        self.undo = undo
-        return self
-
-    def __exit__(self, *exc):
-        self.undo()
-        return False
+    norm = pipe.language_model.model.norm_mot_gen
+    cls, chain = type(norm), fd.cast_chain_norm(norm)
+    if chain is None:
+        raise RuntimeError(f"{cls.__qualname__}.forward is neither definition")
+    original = cls.forward
+    cls.forward = lambda self, x: fd.rms_norm(x, self.weight, self.variance_epsilon, not chain)
+    try:
+        yield
+    finally:
+        cls.forward = original
 
 
 def rounding_references(pipe, args, device, log: Log, eager_image) -> dict:
@@ -1176,11 +1168,11 @@ def main(argv=None) -> int:
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
         if references:
             ours = results.get("plugin", {}).get("no_think")
-            env["rounding_references"] = {
-                name: {k: v for k, v in ref.items() if k != "image"} | (
-                    {"psnr_db_vs_plugin": psnr_db(ours["image"], ref["image"])}
-                    if ours is not None and "image" in ref else {})
-                for name, ref in references.items()}
+            for ref in references.values():
+                image = ref.pop("image", None)
+                if ours is not None and image is not None:
+                    ref["psnr_db_vs_plugin"] = psnr_db(ours["image"], image)
+            env["rounding_references"] = references
             log(f"rounding references: {_json_safe(env['rounding_references'])}")
         write()
         for row in rows:
