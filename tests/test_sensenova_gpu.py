@@ -601,3 +601,144 @@ def test_gpu_fa3_schedule_once_per_step_equals_planning_in_every_call(gpu):
             token = b[:, -1].argmax(-1)
     once.release()
     every.release()
+
+
+# ------------------------------------------------------------------ sampling on the device
+
+def _critical_chi2(df: int, z: float = 4.753) -> float:
+    """The chi-square value a statistic with ``df`` degrees of freedom exceeds with probability
+    ~1e-6 (Wilson-Hilferty; z is the normal quantile)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * a ** 0.5) ** 3
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of ``counts`` against ``probs``: tokens expected >= 5 times are their
+    own bins, the rest one bin. Returns (statistic, degrees of freedom)."""
+    n = float(counts.sum())
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_gpu_sampling_program_draws_from_the_loops_distribution(gpu):
+    """A graphed 8-token sampling program, replayed 4,000 times from one start: its first token
+    against the distribution the text loop samples from there (``softmax(logits / t)`` of the
+    step's logits, in the logits' dtype as the loop computes it), Pearson's chi-square at
+    p = 1e-6. The same counts against the distribution at twice the temperature must be
+    rejected, so the test can tell temperatures apart."""
+    from vllm_omni_graphdecode.token_loop import Sampling
+
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, cache, t_idx = st.prefill(pipe, gpu.ids)
+    dec = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256),
+                             tokens_per_launch=8)
+    length = dec.begin(cache)
+    token = int(out.logits[0, -1].argmax())
+    with torch.inference_mode():
+        logits = dec.step(token, t_idx + 1)[0, -1].clone()  # the step the program starts with
+        spread = float(logits.float().std())
+        t = spread / 2  # scaled logits with a spread of ~2: a few likely tokens, many unlikely
+        probs = torch.softmax(logits / t, dim=-1).float().cpu()
+        wrong = torch.softmax(logits / (2 * t), dim=-1).float().cpu()
+        tier = dec.current
+        tier.cache.reserve(length + 8)
+        program = tier.program(8, Sampling(t))
+        program.start_token.fill_(token)
+        program.start_position.fill_(t_idx + 1)
+        program.start_length.fill_(length + 1)
+        firsts = []
+        for _ in range(4000):
+            program.runner.step()
+            firsts.append(program.tokens[:1].clone())
+        firsts = torch.cat(firsts).cpu()
+    dec.release()
+    assert stats.get(MODEL, "capture") >= 1
+    counts = torch.bincount(firsts, minlength=probs.numel()).float()
+    stat, df = _chi2(counts, probs)
+    assert df >= 5, f"distribution too peaked to test ({df + 1} bins)"
+    assert stat < _critical_chi2(df), f"chi2 {stat:.1f} over {df} df"
+    stat_wrong, df_wrong = _chi2(counts, wrong)
+    assert stat_wrong > _critical_chi2(df_wrong), "the test cannot tell t from 2t"
+
+
+def _sampled_text(pipe, gpu, seed, steps=300, temperature=0.9):
+    out, cache, t_idx = st.prefill(pipe, gpu.ids)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=steps, do_sample=True,
+                                   temperature=temperature)
+
+
+def test_gpu_sampled_text_is_reproducible_with_a_seed_whether_or_not_it_captured(gpu):
+    """Through the pipeline's text loop, 300 sampled tokens over three buckets: the first request
+    captures its graphs (warm-ups draw, and the generator is given its state back), the second
+    only replays; one seed gives one text, another seed another."""
+    stats.reset()
+    pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8, VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
+    first = _sampled_text(pipe, gpu, seed=5)
+    captured = stats.get(MODEL, "capture")
+    assert captured >= 3 and stats.get(MODEL, "token_launch") >= 30
+    assert stats.get(MODEL, "sampled_request") == 1
+    assert _sampled_text(pipe, gpu, seed=5) == first
+    assert stats.get(MODEL, "capture") == captured  # the second request only replayed
+    assert _sampled_text(pipe, gpu, seed=6) != first
+    assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "eager_step") == 0
+
+
+def test_gpu_verify_mode_accepts_sampling_programs(gpu):
+    """Verify compares each new graph's first replay with the eager program from the same
+    generator state: a sampling program draws the same tokens both ways, so every graph
+    passes."""
+    stats.reset()
+    pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8, VLLM_OMNI_GRAPHDECODE_VERIFY="1"))
+    _sampled_text(pipe, gpu, seed=11, steps=200)
+    assert stats.get(MODEL, "verified") >= 2 and stats.get(MODEL, "verify_mismatch") == 0
+
+
+# ------------------------------------------------------------------ L2 prefetch of o_proj
+
+@pytest.mark.parametrize("mode", ["lines", "evict_last", "bulk", "sum"])
+def test_gpu_l2_prefetch_changes_no_bit_of_the_step(gpu, mode):
+    """300 graphed steps with o_proj's weight prefetched on a side stream during each attention
+    against the same steps without: the logits equal bit for bit (a prefetch computes nothing)."""
+    from vllm_omni_graphdecode import l2_prefetch
+
+    pf = l2_prefetch.select_prefetch("cuda", mode)
+    if not isinstance(pf, l2_prefetch.L2Prefetch):
+        pytest.skip(pf.describe())
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, cache_a, t_idx = st.prefill(pipe, gpu.ids)
+    _, cache_b, _ = st.prefill(pipe, gpu.ids)
+    plain = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256, 512))
+    fetched = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256, 512),
+                                 prefetch=pf)
+    plain.begin(cache_a)
+    fetched.begin(cache_b)
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(300):
+            a = plain.step(token, t_idx + 1 + step).clone()
+            b = fetched.step(token, t_idx + 1 + step)
+            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
+            token = a[:, -1].argmax(-1)
+    plain.release()
+    fetched.release()
+
+
+def test_gpu_l2_prefetch_setting_decodes_the_same_think_text(gpu):
+    """The setting through the pipeline (8 tokens a launch): the same 600 think tokens as
+    without it, and the load summary names it."""
+    want = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8)), gpu.ids, 600)
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    summary = hook.install(pipe, _cfg(LONG_BUCKETS, k=8,
+                                      VLLM_OMNI_GRAPHDECODE_SENSENOVA_PREFETCH="lines"))
+    assert "o_proj L2 prefetch (lines)" in summary
+    got = _think(pipe, gpu.ids, 600)
+    assert got.text == want.text and got.t_idx == want.t_idx
+    for a, b in zip(got.cache.layers, want.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

@@ -18,7 +18,7 @@ import torch
 from vllm_omni_graphdecode import config, kernels, paged_decode, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.testing import random_models as st
-from vllm_omni_graphdecode.token_loop import pick
+from vllm_omni_graphdecode.token_loop import Sampling, pick
 
 MODEL = hook.MODEL
 PROMPT = 20
@@ -165,19 +165,61 @@ def test_a_loop_that_feeds_another_token_gets_what_the_per_token_path_gives(tiny
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
 
 
-def test_sampled_text_runs_one_launch_per_token_and_samples_as_the_loop_does(tiny):
-    out, cache, t_idx = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
+def _sampled(pipe, tiny, seed, temperature=0.7, steps=40):
+    out, cache, t_idx = st.prefill(pipe, tiny.ids)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=steps, do_sample=True,
+                                   temperature=temperature)
 
-    def sample(pipe):
-        _, cache, t_idx = st.prefill(pipe, tiny.ids)
-        torch.manual_seed(123)
-        with torch.inference_mode():
-            return pipe._generate_text(out.logits, cache, t_idx, max_tokens=20, do_sample=True,
-                                       temperature=0.7)
 
-    want = sample(st.build_pipeline(tiny.lm, tiny.tok))
-    assert sample(_pipeline(tiny, 8)) == want
-    assert stats.get(MODEL, "sampled_request") == 1 and stats.get(MODEL, "token_launch") == 0
+def test_sampled_text_in_launches_draws_what_the_loop_draws(tiny):
+    """A sampling text loop is served from multi-token launches whose program draws each token
+    with the loop's own softmax + multinomial: on CPU the draws come from the generator the loop
+    draws from, in its order, so a seeded request decodes the eager loop's very tokens (across
+    the 32 -> 64 bucket boundary). The loop's own multinomial of the served row draws nothing."""
+    want = _sampled(st.build_pipeline(tiny.lm, tiny.tok), tiny, seed=123, steps=STEPS)
+    stats.reset()
+    pipe = _pipeline(tiny, 8)
+    got = _sampled(pipe, tiny, seed=123, steps=STEPS)
+    assert got == want
+    assert stats.get(MODEL, "sampled_request") == 1 and stats.get(MODEL, "token_launch") >= 5
+    # The per-token path (k = 1): the loop samples the returned logits itself, as before.
+    assert _sampled(_pipeline(tiny, 1), tiny, seed=123, steps=STEPS) == want
+
+
+def test_sampled_text_is_reproducible_with_a_seed_and_follows_the_temperature(tiny):
+    pipe = _pipeline(tiny, 8)
+    first = _sampled(pipe, tiny, seed=7)
+    assert _sampled(pipe, tiny, seed=7) == first
+    assert _sampled(pipe, tiny, seed=8) != first
+    # Each temperature is its own program (a Python float the device divides by, as the loop).
+    decoder = getattr(pipe, hook.STATE_ATTR).decoder
+    cold = _sampled(pipe, tiny, seed=7, temperature=0.05)
+    assert cold == _sampled(st.build_pipeline(tiny.lm, tiny.tok), tiny, seed=7, temperature=0.05)
+    keys = {key for tier in decoder.tiers for key in tier.programs}
+    assert {(8, Sampling(0.7)), (8, Sampling(0.05))} <= keys
+
+
+def test_a_tier_keeps_the_programs_of_two_sampling_temperatures_at_most(tiny):
+    from vllm_omni_graphdecode import ar_session
+
+    pipe = _pipeline(tiny, 8)
+    for t in (0.5, 0.6, 0.7):
+        _sampled(pipe, tiny, seed=1, temperature=t, steps=12)
+    for tier in getattr(pipe, hook.STATE_ATTR).decoder.tiers:
+        sampled = [key[1].temperature for key in tier.programs if key[1] is not None]
+        assert len(sampled) <= ar_session.SAMPLED_PROGRAMS and 0.5 not in sampled
+
+
+def test_a_text_loop_whose_temperature_is_not_a_number_keeps_its_own_draws(tiny):
+    import numpy as np
+
+    want = _sampled(st.build_pipeline(tiny.lm, tiny.tok), tiny, seed=3,
+                    temperature=np.float32(0.7))
+    stats.reset()
+    assert _sampled(_pipeline(tiny, 8), tiny, seed=3, temperature=np.float32(0.7)) == want
+    assert stats.get(MODEL, "token_launch") == 0 and stats.get(MODEL, "sampled_request") == 0
 
 
 def test_out_of_memory_growing_inside_launches_hands_back_every_fed_token(tiny, eager,
@@ -246,9 +288,38 @@ def test_served_logits_answer_every_argmax_as_the_plain_tensor_does():
         lambda x: torch.argmax(x[..., reverse], dim=-1),
         lambda x: torch.softmax(x[:, -1, :] / 0.7, dim=-1),
         lambda x: torch.multinomial(torch.softmax(x[:, -1, :], dim=-1), 1),
+        lambda x: torch.multinomial(torch.softmax(x[:, -1, :] / 0.7, dim=-1), num_samples=1),
+        lambda x: torch.softmax(x[:, -1, :] / 0.7, dim=-1).multinomial(1).squeeze(-1),
+        lambda x: torch.softmax(x[:, -1, :] * 2.0, dim=-1),  # a product keeps nothing
     ]
     for i, case in enumerate(cases):
         got, want = case(served), case(plain)
         assert type(got) is torch.Tensor or isinstance(got, ServedLogits)
         assert torch.equal(torch.as_tensor(got).as_subclass(torch.Tensor), want), i
     assert torch.argmax(served[:, -1, :], dim=-1).item() == 37
+
+
+def test_served_logits_answer_the_loops_draw_without_drawing():
+    """The sampling loop's ``multinomial(softmax(logits / t), 1)`` of the served row is the token
+    and takes no number from the generator; a row whose mass is not all at the token, or more
+    than one sample, is drawn for real."""
+    from vllm_omni_graphdecode.token_loop import ServedLogits
+
+    served = torch.full((1, 1, 96), float("-inf")).as_subclass(ServedLogits)
+    served[0, 0, 11] = 0.0
+    served._token = 11
+    state = torch.get_rng_state()
+    for t in (0.05, 0.7, 1, 3.0):
+        probs = torch.softmax(served[:, -1, :] / t, dim=-1)
+        assert isinstance(probs, ServedLogits)
+        assert torch.multinomial(probs, num_samples=1).squeeze(-1).tolist() == [11]
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn
+    assert not isinstance(served[:, -1, :] / -1.0, ServedLogits)  # -inf / -1 is no longer -inf
+    shifted = torch.softmax(served[:, -1, :] + 1.0, dim=-1)  # plain: drawn for real
+    assert not isinstance(shifted, ServedLogits)
+    assert torch.multinomial(shifted, 1).tolist() == [[11]]
+    assert not torch.equal(torch.get_rng_state(), state)
+    two = torch.softmax(served[0] / 0.7, dim=-1)
+    two[0, 3] = 1.0  # mass elsewhere too: not answered from the token
+    drawn = {int(torch.multinomial(two, 1)) for _ in range(64)}
+    assert drawn == {3, 11}

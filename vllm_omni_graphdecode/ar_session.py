@@ -38,7 +38,7 @@ from . import stats
 from .cuda_graphs import CaptureFailed, is_oom
 from .paged_decode import DecodeGraphRunner, PagedKVCache
 from .reasons import Reason
-from .token_loop import Lookahead, TokenProgram
+from .token_loop import Lookahead, Sampling, TokenProgram
 
 logger = stats.logger
 
@@ -49,6 +49,8 @@ BUSY = Reason("another request is decoding on this pipeline",
 # How long a request waits for the one decoding before it: decode loops are bounded (a
 # 1024-token think is ~7 s on the graph path, ~60 s eagerly on vllm-omni 0.26).
 WAIT_S = 300.0
+# Sampling temperatures whose multi-token programs (and graphs) a tier keeps at once.
+SAMPLED_PROGRAMS = 2
 OOM = Reason("out of memory allocating paged K/V",
              "lower VLLM_OMNI_GRAPHDECODE_BUCKETS / _PRECAPTURE_BUCKETS or free device memory")
 CAPTURE_FAILED = Reason("graph capture failed",
@@ -100,20 +102,28 @@ class _Tier:
         self.runner = DecodeGraphRunner(self.step, self.cache, model=decoder.name,
                                         graphs=decoder.graphs, verify=decoder.verify,
                                         pool=decoder.pool)
-        self.programs: dict[int, TokenProgram] = {}
+        # (k, sampling) -> program; sampling None: greedy
+        self.programs: dict[tuple[int, Sampling | None], TokenProgram] = {}
 
     def step(self) -> torch.Tensor:
         self.cache.begin_step()
         return self.decoder.model.forward(self.cache)
 
-    def program(self, k: int) -> TokenProgram:
-        """The ``k``-token program over this tier's cache (``token_loop``)."""
-        program = self.programs.get(k)
+    def program(self, k: int, sampling: Sampling | None = None) -> TokenProgram:
+        """The ``k``-token program over this tier's cache (``token_loop``), greedy or sampling.
+        At most ``SAMPLED_PROGRAMS`` sampling temperatures keep their programs (and graphs):
+        the least recently used goes first."""
+        key = (k, sampling)
+        program = self.programs.pop(key, None)
         if program is None:
             d = self.decoder
             program = TokenProgram(d.model, self.cache, k, self.step, name=d.name,
-                                   graphs=d.graphs, verify=d.verify, pool=d.pool)
-            self.programs[k] = program
+                                   graphs=d.graphs, verify=d.verify, pool=d.pool,
+                                   sampling=sampling)
+            sampled = [other for other in self.programs if other[1] is not None]
+            if sampling is not None and len(sampled) >= SAMPLED_PROGRAMS:
+                self.programs.pop(sampled[0]).runner.drop_graphs()
+        self.programs[key] = program  # re-inserted: the dict's order is the order of use
         return program
 
     @property
@@ -222,9 +232,12 @@ class PagedDecoder:
                 self.current = tier = over
         return tier
 
-    def lookahead(self, *, stops=(), limit: int | None = None) -> Lookahead:
-        """A greedy loop's token server over this decoder (``token_loop``)."""
-        return Lookahead(self, self.tokens_per_launch, stops=stops, limit=limit)
+    def lookahead(self, *, stops=(), limit: int | None = None,
+                  sampling: Sampling | None = None) -> Lookahead:
+        """A loop's token server over this decoder (``token_loop``): greedy, or sampling as
+        ``sampling`` says."""
+        return Lookahead(self, self.tokens_per_launch, stops=stops, limit=limit,
+                         sampling=sampling)
 
     @torch.inference_mode()
     def step(self, token, position: int) -> torch.Tensor:
@@ -419,11 +432,13 @@ class Session:
         self.steps = 0
         self.ahead: Lookahead | None = None
 
-    def greedy(self, *, stops=(), limit: int | None = None) -> None:
-        """The loop picks each next token by argmax: serve it from multi-token launches
-        (``decode``). ``stops``/``limit``: the loop's stop tokens and token limit, when known."""
+    def launches(self, *, stops=(), limit: int | None = None,
+                 sampling: Sampling | None = None) -> None:
+        """Serve the loop's tokens from multi-token launches (``decode``): it picks each next
+        token by argmax (``sampling`` None) or draws it as ``sampling`` says. ``stops``/``limit``:
+        the loop's stop tokens and token limit, when known."""
         if self.decoder.tokens_per_launch > 1:
-            self.ahead = self.decoder.lookahead(stops=stops, limit=limit)
+            self.ahead = self.decoder.lookahead(stops=stops, limit=limit, sampling=sampling)
 
     @property
     def decoder(self) -> PagedDecoder:
@@ -438,7 +453,7 @@ class Session:
         return self._run(self.decoder.step, token, position)
 
     def decode(self, token: int, position: int) -> int | None:
-        """The greedy token after ``token`` (``greedy`` first), or None after a hand-back."""
+        """The token after ``token`` (``launches`` first), or None after a hand-back."""
         return self._run(self.ahead.next, token, position)
 
     def _run(self, fn, token, position):

@@ -15,7 +15,9 @@ capture routine with recovery, one verify comparison.
    made such a thread fail with "operation not permitted when stream is capturing" and the
    capture with it (seen on the H200: a second SenseNova-U1 request decoding eagerly while the
    first captured).
-3. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
+3. Give the device's random generator back the state it had before the warm-ups (a sampling
+   step draws in them; the capture itself draws nothing).
+4. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
    ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
 
 The memory pool:
@@ -170,12 +172,15 @@ def capture(fn: Callable[[], torch.Tensor], device: torch.device | None = None, 
     synchronize with the host and must not branch in Python on tensor values. Raises
     ``CaptureFailed``.
     """
-    current = graph = None
+    current = graph = rng = None
     try:
         device = torch.device("cuda", _index(device))
         current = torch.cuda.current_stream(device)
         if pool is None:
             pool = graph_pool(device)
+        # A step that samples draws from the device's generator: what the warm-ups draw is given
+        # back, so a seeded request draws the same with or without a capture in it.
+        rng = torch.cuda.get_rng_state(device)
         side = warmup_stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
@@ -190,8 +195,15 @@ def capture(fn: Callable[[], torch.Tensor], device: torch.device | None = None, 
     except Exception as exc:
         graph = None
         recover_failed_capture(device, pool, current)
+        _restore_rng(rng, device)
         raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
+    _restore_rng(rng, device)
     return Captured(graph, output, reference)
+
+
+def _restore_rng(state, device) -> None:
+    if state is not None:
+        torch.cuda.set_rng_state(state, device)
 
 
 @dataclasses.dataclass(frozen=True)

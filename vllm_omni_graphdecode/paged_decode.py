@@ -378,8 +378,12 @@ class DecodeGraphRunner:
         return entry
 
     def _verify(self, key, entry: _Graph) -> torch.Tensor:
+        # A step that samples draws from the device's generator: the eager step starts from the
+        # state the replay started from, so both draw the same numbers (and end in one state).
+        rng = torch.cuda.get_rng_state(self.cache.device)
         entry.graph.replay()
         replayed = entry.output.clone()
+        torch.cuda.set_rng_state(rng, self.cache.device)
         # Eager second: it rewrites this step's K/V slot, so a faulty graph leaves nothing behind.
         eager = self.forward()
         result = cuda_graphs.compare(replayed, eager, VERIFY_RTOL)

@@ -1,4 +1,4 @@
-"""Greedy decode with the next token chosen on the device: several tokens per graph launch.
+"""Decode with the next token chosen on the device: several tokens per graph launch.
 
 Why: with one graph per token, the host still waits for every token (the loop's argmax and
 ``.item()``), and the GPU idles while it does: 0.43 ms of a 6.5 ms SenseNova-U1 token on the H200
@@ -17,11 +17,24 @@ every served token: they are never read, and the next sequence overwrites them. 
 serves one launch's tokens, the next launch already runs (chained on the device from the last
 token), unless a stop token or the limit is among the tokens just read, or the next launch would
 need a larger bucket: so at most one launch's work is wasted, and only when a stop is not known.
+
+Sampled loops (``Sampling``): the text loop's ``do_sample`` draws each token as
+``torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1)``; a sampling program runs
+those same two calls on the device after every step, so each token comes from the same
+distribution by the same algorithm (an exponential draw per vocabulary entry, then the argmax of
+p / q). The draws come from the device's default generator in token order, one launch after
+another; inside a graph each replay advances the generator's offset by what its steps draw, as
+the eager calls would. What is not the loop's: tokens decoded past a stop draw too (the next
+request's draws start later), and a capture's warm-ups draw nothing (``cuda_graphs.capture``
+restores the generator), so a seeded request decodes the same tokens whether or not it captured.
+On CPU (tests) the draws come from the CPU generator in the loop's own order, so a seeded sampled
+request decodes the eager loop's tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -35,6 +48,26 @@ def pick(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits.reshape(-1, logits.shape[-1])[-1:], dim=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The text loop's sampling (``do_sample`` with ``temperature`` > 0), as its own code draws:
+    ``choose`` is its two calls on the last position's logits. A Python float, as the loop
+    divides by (a device tensor would divide by another rounding of it)."""
+
+    temperature: float
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """(1,) long: one draw from ``softmax(logits[-1] / temperature)``."""
+        last = logits.reshape(-1, logits.shape[-1])[-1:]
+        probs = torch.softmax(last / self.temperature, dim=-1)
+        return torch.multinomial(probs, num_samples=1).squeeze(-1)
+
+
+def chooser(sampling: Sampling | None):
+    """How a program picks each next token: the loop's argmax, or its sampling."""
+    return pick if sampling is None else sampling.choose
+
+
 class TokenProgram:
     """``k`` decode steps of one tier's cache as one function a graph records.
 
@@ -45,11 +78,13 @@ class TokenProgram:
     """
 
     def __init__(self, model, cache: PagedKVCache, k: int, step, *, name: str, graphs: bool,
-                 verify: bool, pool=None):
+                 verify: bool, pool=None, sampling: Sampling | None = None):
         device = model.device
         self.model = model
         self.cache = cache
         self.k = k
+        self.sampling = sampling
+        self.choose = chooser(sampling)
         self.step = step  # one decode step of the tier: begin_step, then the model's forward
         self.start_token = torch.zeros(1, dtype=torch.long, device=device)
         self.start_position = torch.zeros(1, dtype=torch.long, device=device)
@@ -68,18 +103,22 @@ class TokenProgram:
                 self.model.advance(self.tokens[j - 1:j])
                 self.cache.advance()
             logits = self.step()
-            self.tokens[j:j + 1].copy_(pick(logits))
+            self.tokens[j:j + 1].copy_(self.choose(logits))
         return logits
 
 
 class ServedLogits(torch.Tensor):
-    """Host logits that know their argmax: 0 at the served token, -inf elsewhere.
+    """Host logits that know their token: 0 at the served token, -inf elsewhere.
 
     What the loop reads in place of the device's logits. Every operation sees those values (a
-    softmax puts all mass on the token); only ``argmax`` over the vocabulary of the one row, the
-    loops' own reduction, is answered from the token instead of scanning 150k floats on the host
-    (~0.1 ms a token on a 2-core CPU), after checking that the row still holds the token's 0 there.
-    Indexing keeps the subclass (the loops take ``logits[:, -1, :]``); other results are plain.
+    softmax puts all mass on the token); the loops' own picks over the vocabulary of the one row
+    are answered from the token instead of computed on the host: ``argmax`` (scanning 150k floats
+    cost ~0.1 ms a token on a 2-core CPU), after checking that the row still holds the token's 0
+    there, and ``multinomial`` of one sample from ``softmax(logits / temperature)`` (drawing on
+    the host would take the CPU generator's numbers, which the eager loop leaves alone), after
+    checking that the row holds all its mass at the token. Indexing, division by a positive number
+    and a softmax over the row keep the subclass (they keep a row whose only finite entry is the
+    token's); other results are plain.
     """
 
     _token: int
@@ -91,12 +130,38 @@ class ServedLogits(torch.Tensor):
             found = _served_argmax(args, kwargs)
             if found is not None:
                 return found
+        if func in (torch.multinomial, torch.Tensor.multinomial):
+            found = _served_draw(args, kwargs)
+            if found is not None:
+                return found
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if func is torch.Tensor.__getitem__ and isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) and _keeps_token(func, args, kwargs):
             out = out.as_subclass(cls)
             out._token = args[0]._token
         return out
+
+
+_DIVIDE = (torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.true_divide)
+_SOFTMAX = (torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax)
+
+
+def _keeps_token(func, args, kwargs) -> bool:
+    """Does ``func(*args)`` keep the served row's shape of values: one finite entry, at the
+    token?"""
+    x = args[0] if args else None
+    if getattr(x, "_token", None) is None:
+        return False
+    if func is torch.Tensor.__getitem__:
+        return True
+    if func in _DIVIDE:
+        by = args[1] if len(args) > 1 else kwargs.get("other")
+        return (isinstance(by, (int, float)) and not isinstance(by, bool) and 0 < by < math.inf
+                and not kwargs.get("rounding_mode"))
+    if func in _SOFTMAX:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        return dim in (-1, x.dim() - 1) and kwargs.get("dtype") is None
+    return False
 
 
 def _served_argmax(args, kwargs):
@@ -113,6 +178,22 @@ def _served_argmax(args, kwargs):
     return torch.full(shape, token, dtype=torch.long)
 
 
+def _served_draw(args, kwargs):
+    """``multinomial(probs, 1)`` of the served row after its softmax: the token, when the row
+    holds probability 1 there and sums to 1 (so every other entry holds 0, also after an
+    in-place write)."""
+    x = args[0]
+    n = kwargs.get("num_samples", args[1] if len(args) > 1 else None)
+    token = getattr(x, "_token", None)
+    if token is None or n != 1 or x.dim() not in (1, 2) or x.numel() != x.shape[-1]:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        row = x.reshape(-1)
+        if not 0 <= token < row.numel() or float(row[token]) != 1.0 or float(row.sum()) != 1.0:
+            return None
+    return torch.full(tuple(x.shape[:-1]) + (1,), token, dtype=torch.long)
+
+
 @dataclasses.dataclass
 class _Launch:
     length: int  # valid tokens before the launch's first fed token
@@ -126,17 +207,19 @@ class _Launch:
 
 
 class Lookahead:
-    """Serves one request's greedy loop from multi-token launches (see the module docstring).
+    """Serves one request's loop from multi-token launches (see the module docstring).
 
     ``decoder`` is the ``ar_session.PagedDecoder`` (its current tier, ``room`` and ``step``);
     ``stops``: token ids after which the loop feeds nothing more (its end tokens; a token it
     feeds and then stops on, like ``</think>``, belongs here too); ``limit``: the most tokens the
-    loop feeds, or None.
+    loop feeds, or None; ``sampling``: how the loop draws its tokens, or None (argmax).
     """
 
-    def __init__(self, decoder, k: int, *, stops=(), limit: int | None = None):
+    def __init__(self, decoder, k: int, *, stops=(), limit: int | None = None,
+                 sampling: Sampling | None = None):
         self.decoder = decoder
         self.k = k
+        self.sampling = sampling
         self.stops = frozenset(stops)
         self.limit = limit
         self.fed_total = 0  # tokens the loop fed so far
@@ -150,9 +233,9 @@ class Lookahead:
         self._hot: int | None = None
 
     def logits(self, token: int) -> ServedLogits:
-        """Host logits ``(1, 1, vocab)`` whose argmax is ``token``: 0 there, -inf elsewhere
-        (``ServedLogits``). What the loop reads in place of the device's logits, so its own
-        argmax and ``.item()`` cost no device sync. Valid until the next call."""
+        """Host logits ``(1, 1, vocab)`` whose argmax (and whose one draw) is ``token``: 0 there,
+        -inf elsewhere (``ServedLogits``). What the loop reads in place of the device's logits,
+        so its own pick and ``.item()`` cost no device sync. Valid until the next call."""
         if self._logits is None or self._logits.shape[-1] != self.vocab:
             self._logits = torch.full((1, 1, self.vocab), float("-inf"))
             self._hot = None
@@ -204,7 +287,7 @@ class Lookahead:
             logits = self.decoder.step(token, position)
             self.vocab = logits.shape[-1]
             stats.count(self.decoder.name, "host_picked_token")
-            return int(pick(logits))
+            return int(chooser(self.sampling)(logits))
         self.decoder.room(length + self.k)
         launch = self._launch(length, position, token)
         return self._serve(launch, token)
@@ -212,7 +295,7 @@ class Lookahead:
     def _launch(self, length: int, position: int, token: int | None) -> _Launch:
         """Enqueue one launch; ``token`` None: start from the last launch's last token."""
         tier = self.decoder.current
-        program = tier.program(self.k)
+        program = tier.program(self.k, self.sampling)
         tier.cache.reserve(length + self.k)
         if token is None:
             program.start_token.copy_(program.tokens[-1:])

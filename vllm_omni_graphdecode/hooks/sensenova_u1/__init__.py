@@ -26,13 +26,14 @@ vllm-omni 0.30 ships its own paged decode (``_decode_context``). By default this
 it and wires nothing; with ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover`` the in-tree
 context is replaced by one that returns None (so it cannot run too) and this hook's path runs.
 
-Greedy loops (think always; text unless it samples) take several tokens per graph launch, the
-next token chosen on the device (``vllm_omni_graphdecode.token_loop``); a sampling text loop
-takes one launch per token and samples on the returned logits itself.
+Both loops take several tokens per graph launch, each next token chosen on the device
+(``vllm_omni_graphdecode.token_loop``): by argmax (the think loop; the text loop by default), or,
+for a text loop that samples, drawn on the device with the loop's own softmax and multinomial at
+its temperature.
 
 Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
 ``replay``, ``token_launch`` (multi-token launches), ``host_picked_token`` (tokens near a bucket's
-end, one launch each), ``sampled_request``, ``paged_eager_step`` (paged step without a graph),
+end, one launch each), ``sampled_request`` (text loops drawn on the device), ``paged_eager_step`` (paged step without a graph),
 ``eager_step`` (a step of the pipeline's own decode), ``lora_request`` (graphs captured for one
 request only), ``verified`` / ``verify_mismatch``, and each fallback by its reason.
 

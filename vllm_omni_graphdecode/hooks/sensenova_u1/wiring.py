@@ -21,10 +21,11 @@ import inspect
 
 import torch
 
-from ... import kernels, paged_decode, patching, stats
+from ... import kernels, l2_prefetch, paged_decode, patching, stats
 from ...ar_session import ARSessions, PagedDecoder
 from ...patching import HookRefused, check_signature
 from ...reasons import Reason
+from ...token_loop import Sampling
 from . import layouts, rules
 from .step import MODEL, Step, patch_attention, select_kv_writer
 
@@ -34,7 +35,8 @@ STATE_ATTR = "_graphdecode_sensenova_u1"
 class Wiring:
     """What ``install`` attached to one pipeline (``pipeline._graphdecode_sensenova_u1``)."""
 
-    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer):
+    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer,
+                 prefetch=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -43,12 +45,14 @@ class Wiring:
         self.graphs = graphs
         self.fusion = fusion
         self.kv_writer = kv_writer
+        self.prefetch = prefetch
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
                                    gate=lambda: rules.gate(pipeline, self.lm, kernel),
                                    per_request=lambda: rules.lora_present(self.lm))
 
     def _decoder(self) -> PagedDecoder:
-        step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
+        step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer,
+                    prefetch=self.prefetch)
         return PagedDecoder(step, name=MODEL, kernel=self.kernel, buckets=self.cfg.buckets,
                             graphs=self.graphs, verify=self.cfg.verify,
                             tokens_per_launch=self.cfg.tokens_per_launch)
@@ -118,7 +122,13 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         from .fused_step import UNFUSED
 
         stats.degraded(MODEL, UNFUSED.because("; ".join(off)))
-    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer)
+    prefetch = None
+    if cfg.sensenova_prefetch != "off" and isinstance(kernel, kernels.Kernel):
+        prefetch = l2_prefetch.select_prefetch(device, cfg.sensenova_prefetch)
+        if isinstance(prefetch, Reason):
+            stats.degraded(MODEL, prefetch)
+            prefetch = None
+    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer, prefetch)
 
     # From here on nothing is checked any more: patch.
     if isinstance(kernel, kernels.Kernel):
@@ -143,8 +153,9 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
             what += f"; requests run eagerly now: {refusal.key}"
     else:
         what = f"requests run eagerly: {kernel.key}"
-    parts = (fusion.describe() if fusion is not None else []) + (
-        ["one-kernel K/V write"] if writer is not None else [])
+    parts = ((fusion.describe() if fusion is not None else [])
+             + (["one-kernel K/V write"] if writer is not None else [])
+             + ([f"o_proj L2 prefetch ({prefetch.mode})"] if prefetch is not None else []))
     step_line = " + ".join(parts) or "the model's own"
     buckets = ",".join(map(str, cfg.buckets))
     tail = paged_decode.tail_step(cfg.buckets)
@@ -213,7 +224,7 @@ def _wrap_loop(wiring: Wiring, original, think: bool):
         session = wiring.sessions.open(cache, finish_on_close=think)
         try:
             if session is not None:
-                _serve_greedy(wiring.pipeline, session, signature, args, kwargs, think)
+                _serve_launches(wiring.pipeline, session, signature, args, kwargs, think)
             return original(*args, **kwargs)
         finally:
             if session is not None:
@@ -229,10 +240,11 @@ END, THINK_END = "<|im_end|>", "</think>"
 LIMIT_PARAM = {True: "max_think_tokens", False: "max_tokens"}
 
 
-def _serve_greedy(pipeline, session, signature, args, kwargs, think: bool) -> None:
-    """Serve this loop from multi-token launches when it picks tokens by argmax: the think loop
-    always does; the text loop unless it samples (``do_sample`` with a temperature > 0, which
-    stays one launch per token). Its stop tokens and limit let a launch skip what is not needed."""
+def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> None:
+    """Serve this loop from multi-token launches: the think loop picks by argmax; the text loop
+    too, unless it samples (``do_sample`` with a temperature > 0), when the device draws each token
+    as the loop's own code would (``token_loop.Sampling``). Its stop tokens and limit let a launch
+    skip what is not needed."""
     if session.decoder.tokens_per_launch <= 1:
         return
     try:
@@ -243,11 +255,15 @@ def _serve_greedy(pipeline, session, signature, args, kwargs, think: bool) -> No
         params = None
     if params is None:
         if not think:
-            return  # cannot tell whether this text loop samples
+            return  # cannot tell whether this text loop samples: its own picks, token by token
         params = {}
-    if not think and params.get("do_sample") and (params.get("temperature") or 0) > 0:
+    sampling = None
+    temperature = params.get("temperature")
+    if not think and params.get("do_sample") and (temperature or 0) > 0:
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+            return  # not a number the device can divide by as the loop does: the loop's own draws
+        sampling = Sampling(float(temperature))
         stats.count(MODEL, "sampled_request")
-        return
     stops = []
     for name in (END, THINK_END) if think else (END,):
         try:
@@ -257,7 +273,8 @@ def _serve_greedy(pipeline, session, signature, args, kwargs, think: bool) -> No
         if isinstance(token, int):
             stops.append(token)
     limit = params.get(LIMIT_PARAM[think])
-    session.greedy(stops=stops, limit=limit if isinstance(limit, int) else None)
+    session.launches(stops=stops, limit=limit if isinstance(limit, int) else None,
+                     sampling=sampling)
 
 
 def _wrap_ar_step(wiring: Wiring, original, output_cls):
@@ -267,7 +284,7 @@ def _wrap_ar_step(wiring: Wiring, original, output_cls):
         if session is not None and session.serves(past_key_values) and session.ahead is not None:
             token = session.decode(int(next_token), t_idx + 1)
             if token is not None:
-                # The loop's argmax of these host logits is the token the device chose.
+                # The loop's argmax (or draw) of these host logits is the token the device chose.
                 return output_cls(logits=session.ahead.logits(token),
                                   past_key_values=past_key_values)
         elif session is not None and session.serves(past_key_values):
