@@ -320,17 +320,16 @@ def sensenova_gemms(lm) -> tuple[tuple, dict[str, int]]:
 
 def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, steps: int,
                             buckets, copy_bytes_per_s=None, device_type="cuda",
-                            tokens_per_launch: int = 1, prefetch=None) -> dict:
+                            tokens_per_launch: int = 1) -> dict:
     """The plugin's decode step (graphs on), as the pipeline's loop drives it: one token per
-    ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches.
-    ``prefetch``: the decoder's ``l2_prefetch.L2Prefetch`` (None: none)."""
+    ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches."""
     layout, sizes = sensenova_gemms(lm)
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1
 
         dec = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=buckets, graphs=graphs,
-                                         tokens_per_launch=tokens_per_launch, prefetch=prefetch)
+                                         tokens_per_launch=tokens_per_launch)
         try:
             dec.begin(make_cache())
             ahead = dec.lookahead() if tokens_per_launch > 1 else None

@@ -675,17 +675,20 @@ def _sampled_text(pipe, gpu, seed, steps=300, temperature=0.9):
 
 
 def test_gpu_sampled_text_is_reproducible_with_a_seed_whether_or_not_it_captured(gpu):
-    """Through the pipeline's text loop, 300 sampled tokens over three buckets: the first request
-    captures its graphs (warm-ups draw, and the generator is given its state back), the second
-    only replays; one seed gives one text, another seed another."""
+    """Through the pipeline's text loop, 300 sampled tokens over four buckets: the first request
+    captures its graphs (warm-ups draw, and the generator is given its state back); the second
+    captures the smaller buckets again (the overflow tier's buffers grew during the first, so
+    those graphs belong to an older generation); the third only replays. One seed gives one text
+    in all three, another seed another."""
     stats.reset()
     pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8, VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
     first = _sampled_text(pipe, gpu, seed=5)
-    captured = stats.get(MODEL, "capture")
-    assert captured >= 3 and stats.get(MODEL, "token_launch") >= 30
+    assert stats.get(MODEL, "capture") >= 3 and stats.get(MODEL, "token_launch") >= 30
     assert stats.get(MODEL, "sampled_request") == 1
     assert _sampled_text(pipe, gpu, seed=5) == first
-    assert stats.get(MODEL, "capture") == captured  # the second request only replayed
+    captured = stats.get(MODEL, "capture")
+    assert _sampled_text(pipe, gpu, seed=5) == first
+    assert stats.get(MODEL, "capture") == captured  # the third request only replayed
     assert _sampled_text(pipe, gpu, seed=6) != first
     assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "eager_step") == 0
 
@@ -698,47 +701,3 @@ def test_gpu_verify_mode_accepts_sampling_programs(gpu):
     pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8, VLLM_OMNI_GRAPHDECODE_VERIFY="1"))
     _sampled_text(pipe, gpu, seed=11, steps=200)
     assert stats.get(MODEL, "verified") >= 2 and stats.get(MODEL, "verify_mismatch") == 0
-
-
-# ------------------------------------------------------------------ L2 prefetch of o_proj
-
-@pytest.mark.parametrize("mode", ["lines", "evict_last", "bulk", "sum"])
-def test_gpu_l2_prefetch_changes_no_bit_of_the_step(gpu, mode):
-    """300 graphed steps with o_proj's weight prefetched on a side stream during each attention
-    against the same steps without: the logits equal bit for bit (a prefetch computes nothing)."""
-    from vllm_omni_graphdecode import l2_prefetch
-
-    pf = l2_prefetch.select_prefetch("cuda", mode)
-    if not isinstance(pf, l2_prefetch.L2Prefetch):
-        pytest.skip(pf.describe())
-    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
-    out, cache_a, t_idx = st.prefill(pipe, gpu.ids)
-    _, cache_b, _ = st.prefill(pipe, gpu.ids)
-    plain = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256, 512))
-    fetched = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256, 512),
-                                 prefetch=pf)
-    plain.begin(cache_a)
-    fetched.begin(cache_b)
-    token = out.logits[:, -1].argmax(-1)
-    with torch.inference_mode():
-        for step in range(300):
-            a = plain.step(token, t_idx + 1 + step).clone()
-            b = fetched.step(token, t_idx + 1 + step)
-            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
-            token = a[:, -1].argmax(-1)
-    plain.release()
-    fetched.release()
-
-
-def test_gpu_l2_prefetch_setting_decodes_the_same_think_text(gpu):
-    """The setting through the pipeline (8 tokens a launch): the same 600 think tokens as
-    without it, and the load summary names it."""
-    want = _think(_pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8)), gpu.ids, 600)
-    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
-    summary = hook.install(pipe, _cfg(LONG_BUCKETS, k=8,
-                                      VLLM_OMNI_GRAPHDECODE_SENSENOVA_PREFETCH="lines"))
-    assert "o_proj L2 prefetch (lines)" in summary
-    got = _think(pipe, gpu.ids, 600)
-    assert got.text == want.text and got.t_idx == want.t_idx
-    for a, b in zip(got.cache.layers, want.cache.layers):
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

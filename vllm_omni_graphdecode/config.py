@@ -21,7 +21,6 @@ PRECAPTURE_BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS"
 TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
 SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
 SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
-SENSENOVA_PREFETCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_PREFETCH"
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -152,13 +151,6 @@ SETTINGS: tuple[Setting, ...] = (
             "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
             "add and SiLU through vllm's fused kernels, rope tables once per step; rounding order "
             "differs slightly) or exact (the model's own modules, as its eager step computes)."),
-    Setting(SENSENOVA_PREFETCH_VAR, "off", _choice("off", "lines", "evict_last", "bulk"),
-            "sensenova_prefetch",
-            "SenseNova-U1 decode: pull each layer's o_proj weight into the GPU's L2 cache on a "
-            "side stream while its attention runs (a branch of the decode graph; results bit "
-            "for bit the same): lines (one L2 prefetch per 128-byte line), evict_last (the "
-            "same, kept in L2 ahead of other lines) or bulk (Hopper's 4 KiB bulk prefetches); "
-            "off: the GEMV reads the weight from memory."),
     Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph", "fast"), "sensenova_denoise",
             "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
             "own code, over static prefix + image K/V buffers per request branch) as a CUDA "
@@ -206,7 +198,6 @@ class Config:
     tokens_per_launch: int = 8
     sensenova_step: str = "fused"
     sensenova_denoise: str = "off"
-    sensenova_prefetch: str = "off"
 
     @property
     def enabled(self) -> bool:

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from ... import l2_prefetch, layer_ops
+from ... import layer_ops
 from ...ar_session import PagedDecoder
 from ...reasons import Reason
 from . import layouts
@@ -40,26 +40,22 @@ PAGED_KWARG = "graphdecode_paged_kv"
 
 class StepArgs:
     """``PAGED_KWARG``'s value for one decode step: the paged cache, the fused step's parts (or
-    None), the L2 prefetch (or None), and the rope tables once the first layer has computed
-    them."""
+    None), and the rope tables once the first layer has computed them."""
 
-    __slots__ = ("cache", "fusion", "prefetch", "rope")
+    __slots__ = ("cache", "fusion", "rope")
 
-    def __init__(self, cache, fusion, prefetch=None):
+    def __init__(self, cache, fusion):
         self.cache = cache
         self.fusion = fusion
-        self.prefetch = prefetch
         self.rope = None
 
 
 class Step:
     """The ``ar_session.StepModel`` of a SenseNova-U1 language model. ``fusion``: a
     ``fused_step.Fusion`` or None (the model's own step); ``kv_writer``: ``layer_ops.KVWriter``
-    or None (two ``index_copy_`` per layer); ``prefetch``: an ``l2_prefetch.L2Prefetch`` that
-    pulls each layer's o_proj weight into L2 during its attention, or None."""
+    or None (two ``index_copy_`` per layer)."""
 
-    def __init__(self, language_model, layout: layouts.Layout, *, fusion=None, kv_writer=None,
-                 prefetch=None):
+    def __init__(self, language_model, layout: layouts.Layout, *, fusion=None, kv_writer=None):
         layouts.check_model(language_model, layout)
         patch_attention(language_model, layout)
         if fusion is not None:
@@ -68,7 +64,6 @@ class Step:
         self.lm = language_model
         self.fusion = fusion
         self.writer = kv_writer
-        self.prefetch = prefetch
         self.num_layers = len(language_model.model.layers)
         self.kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
@@ -96,8 +91,7 @@ class Step:
 
     def forward(self, cache) -> torch.Tensor:
         return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
-                       use_cache=False,
-                       **{PAGED_KWARG: StepArgs(cache, self.fusion, self.prefetch)}).logits
+                       use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
 
 
 NO_KV_WRITER_HERE = Reason("two-kernel K/V write", "run on a CUDA GPU with a CUDA build of vllm")
@@ -111,13 +105,11 @@ def select_kv_writer(device, dtype) -> "layer_ops.KVWriter | Reason":
 
 def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verify: bool = False,
                   pool=None, layout: layouts.Layout | None = None, fusion="auto",
-                  kv_writer="auto", prefetch=None, tokens_per_launch: int = 1) -> PagedDecoder:
+                  kv_writer="auto", tokens_per_launch: int = 1) -> PagedDecoder:
     """A standalone paged decoder for ``language_model`` (see the module docstring).
 
     ``fusion`` / ``kv_writer``: "auto" selects what this device and layout support; None runs the
-    model's own step; or pass one. ``prefetch``: an ``l2_prefetch.L2Prefetch``, "auto" (the
-    default mode where the device has one) or None. ``tokens_per_launch``: for
-    ``PagedDecoder.lookahead``.
+    model's own step; or pass one. ``tokens_per_launch``: for ``PagedDecoder.lookahead``.
     Patches the model's attention (idempotent, inert without ``PAGED_KWARG``).
     """
     layout = layout or layouts.detect_layout(language_model)
@@ -130,10 +122,7 @@ def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verif
     if isinstance(kv_writer, str):
         kv_writer = select_kv_writer(param.device, param.dtype)
         kv_writer = None if isinstance(kv_writer, Reason) else kv_writer
-    if isinstance(prefetch, str):
-        prefetch = l2_prefetch.select_prefetch(param.device)
-        prefetch = None if isinstance(prefetch, Reason) else prefetch
-    step = Step(language_model, layout, fusion=fusion, kv_writer=kv_writer, prefetch=prefetch)
+    step = Step(language_model, layout, fusion=fusion, kv_writer=kv_writer)
     return PagedDecoder(step, name=MODEL, kernel=kernel, buckets=buckets, graphs=graphs,
                         verify=verify, pool=pool, tokens_per_launch=tokens_per_launch)
 
@@ -163,14 +152,7 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
             query, key, value = attn._project_and_rope(
                 hidden_states, layout.rope_input(indexes, kwargs), qkv_proj, attn.q_norm,
                 attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
-        # o_proj's weight comes into L2 on a side stream while the attention runs (an idle memory
-        # bus); the join below orders the GEMV after both. Results do not change.
-        weight = getattr(attn.o_proj, "weight", None)
-        pending = (step.prefetch.start(weight)
-                   if step.prefetch is not None and torch.is_tensor(weight) else None)
         out = step.cache.attend(attn.layer_idx, query, key, value, attn.scaling)
-        if pending is not None:
-            step.prefetch.finish(pending)
         out = out.reshape(*hidden_states.shape[:-1], -1)
         if fusion is not None:
             return fusion.linear(attn.o_proj, out)

@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from ... import kernels, l2_prefetch, paged_decode, patching, stats
+from ... import kernels, paged_decode, patching, stats
 from ...ar_session import ARSessions, PagedDecoder
 from ...patching import HookRefused, check_signature
 from ...reasons import Reason
@@ -35,8 +35,7 @@ STATE_ATTR = "_graphdecode_sensenova_u1"
 class Wiring:
     """What ``install`` attached to one pipeline (``pipeline._graphdecode_sensenova_u1``)."""
 
-    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer,
-                 prefetch=None):
+    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -45,14 +44,12 @@ class Wiring:
         self.graphs = graphs
         self.fusion = fusion
         self.kv_writer = kv_writer
-        self.prefetch = prefetch
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
                                    gate=lambda: rules.gate(pipeline, self.lm, kernel),
                                    per_request=lambda: rules.lora_present(self.lm))
 
     def _decoder(self) -> PagedDecoder:
-        step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer,
-                    prefetch=self.prefetch)
+        step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
         return PagedDecoder(step, name=MODEL, kernel=self.kernel, buckets=self.cfg.buckets,
                             graphs=self.graphs, verify=self.cfg.verify,
                             tokens_per_launch=self.cfg.tokens_per_launch)
@@ -122,13 +119,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         from .fused_step import UNFUSED
 
         stats.degraded(MODEL, UNFUSED.because("; ".join(off)))
-    prefetch = None
-    if cfg.sensenova_prefetch != "off" and isinstance(kernel, kernels.Kernel):
-        prefetch = l2_prefetch.select_prefetch(device, cfg.sensenova_prefetch)
-        if isinstance(prefetch, Reason):
-            stats.degraded(MODEL, prefetch)
-            prefetch = None
-    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer, prefetch)
+    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer)
 
     # From here on nothing is checked any more: patch.
     if isinstance(kernel, kernels.Kernel):
@@ -153,9 +144,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
             what += f"; requests run eagerly now: {refusal.key}"
     else:
         what = f"requests run eagerly: {kernel.key}"
-    parts = ((fusion.describe() if fusion is not None else [])
-             + (["one-kernel K/V write"] if writer is not None else [])
-             + ([f"o_proj L2 prefetch ({prefetch.mode})"] if prefetch is not None else []))
+    parts = (fusion.describe() if fusion is not None else []) + (
+        ["one-kernel K/V write"] if writer is not None else [])
     step_line = " + ".join(parts) or "the model's own"
     buckets = ",".join(map(str, cfg.buckets))
     tail = paged_decode.tail_step(cfg.buckets)
