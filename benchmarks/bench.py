@@ -16,6 +16,9 @@ Cases (names as in the result rows):
       and with the model's own step), or vs vllm-omni 0.30's in-tree path when that is the stack.
       Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`, one
       embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
+  sensenova_sampled_ctxN_kK: the same text loop sampling (do_sample, temperature 0.7): eager vs
+      the plugin at each tokens-per-launch K (1: the loop draws from the graph's logits; more:
+      the device draws, as the loop's own code would).
   sensenova_think_T: one whole `_generate_think` of T tokens (ms per request): eager, the plugin,
       and on 0.30 its in-tree path (`intree_ms`).
   qwen_image_21_step_{t2i,edit2}_{512,1024}[_exact]: ms per cached denoising step of diffusers'
@@ -67,7 +70,7 @@ SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_di
                        intermediate=12288, vocab=151936)
 
 
-LM_CASES = ("sensenova_decode", "sensenova_think", "profile", "memory")  # cases that use the SenseNova-U1 model
+LM_CASES = ("sensenova_decode", "sensenova_sampled", "sensenova_think", "profile", "memory")  # cases that use the SenseNova-U1 model
 _shared: dict = {}
 
 
@@ -124,15 +127,19 @@ def sensenova_read_bytes(lm, ctx: int) -> int:
     return total + kv
 
 
-def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3):
-    """ms/token of the pipeline's own text loop over `steps` tokens, median of repeats."""
+def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3, temperature=None):
+    """ms/token of the pipeline's own text loop over `steps` tokens, median of repeats;
+    ``temperature``: the loop samples (``do_sample``) at it, seeded per run."""
     times = []
+    sample = {} if temperature is None else {"do_sample": True, "temperature": temperature}
     for r in range(repeats + 1):  # the first run is warm-up (and capture, when lazy)
         cache = make_cache()
+        if sample:
+            torch.manual_seed(r)
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
-            pipe._generate_text(prefix_logits, cache, t_idx, max_tokens=steps)
+            pipe._generate_text(prefix_logits, cache, t_idx, max_tokens=steps, **sample)
         torch.cuda.synchronize()
         if r:
             times.append((time.perf_counter() - start) * 1e3 / steps)
@@ -190,6 +197,42 @@ def bench_sensenova(args, rows, env):
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
     del lm
+    release_model_unless_needed(args)
+
+
+def bench_sampled(args, rows, env):
+    """``sensenova_sampled_ctxN[_kK]``: the text loop sampling (``do_sample``, temperature 0.7),
+    ms/token: eager against the plugin at each ``--tokens-per-launch`` K (1: the loop draws each
+    token itself from the graph's logits; more: the device draws them, ``token_loop.Sampling``)."""
+    is_030 = rm.has_intree_paged_decode()
+    lm, tok = sensenova_model()
+    bw = copy_bandwidth(env)
+    steps = args.steps
+    for ctx in args.contexts:
+        prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
+        floor = sensenova_read_bytes(lm, ctx + steps // 2) / bw * 1e3
+        if is_030:
+            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
+        eager = _text_loop_ms(rm.build_pipeline(lm, tok, device="cuda"), prefix_logits,
+                              make_cache, ctx - 1, steps, temperature=0.7)
+        log(f"ctx {ctx}: sampled eager {eager:.2f} ms/token")
+        for k in sorted(set([1] + args.tokens_per_launch)):
+            cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                                "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+                                "VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0",
+                                "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
+            pipe = rm.build_pipeline(lm, tok, device="cuda")
+            stats.reset()
+            sensenova_u1.install(pipe, cfg)
+            ours = _text_loop_ms(pipe, prefix_logits, make_cache, ctx - 1, steps,
+                                 temperature=0.7)
+            counters = stats.snapshot()["counters"]
+            log(f"ctx {ctx}: sampled k={k} {ours:.2f} ms/token ({counters})")
+            rows.append(common.case(f"sensenova_sampled_ctx{ctx}_k{k}", eager, ours, floor,
+                                    tokens_per_launch=k, temperature=0.7, counters=counters,
+                                    side=("plugin, the loop's own draws on the graph's logits"
+                                          if k == 1 else "plugin, drawn on the device")))
+            pipe.release_captured_graphs()
     release_model_unless_needed(args)
 
 
@@ -623,7 +666,8 @@ def bench_attention(args, rows, env):
 
 # ------------------------------------------------------------------ output
 
-CASES = {"sensenova_decode": bench_sensenova, "sensenova_think": bench_think,
+CASES = {"sensenova_decode": bench_sensenova, "sensenova_sampled": bench_sampled,
+         "sensenova_think": bench_think,
          "sensenova_image": bench_sensenova_image,
          "qwen_image_21_step": bench_qwen,
          "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,

@@ -320,16 +320,17 @@ def sensenova_gemms(lm) -> tuple[tuple, dict[str, int]]:
 
 def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, steps: int,
                             buckets, copy_bytes_per_s=None, device_type="cuda",
-                            tokens_per_launch: int = 1) -> dict:
+                            tokens_per_launch: int = 1, fusion="auto") -> dict:
     """The plugin's decode step (graphs on), as the pipeline's loop drives it: one token per
-    ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches."""
+    ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches.
+    ``fusion``: the step's ``fused_step.Fusion`` ("auto": what this device supports)."""
     layout, sizes = sensenova_gemms(lm)
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1
 
         dec = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=buckets, graphs=graphs,
-                                         tokens_per_launch=tokens_per_launch)
+                                         tokens_per_launch=tokens_per_launch, fusion=fusion)
         try:
             dec.begin(make_cache())
             ahead = dec.lookahead() if tokens_per_launch > 1 else None

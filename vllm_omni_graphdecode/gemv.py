@@ -45,15 +45,37 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return out if bias is None else out + bias
 
 
+def _silu_mul_linear_add(gate_up: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    # The MLP's tail for one token: residual + down(silu(gate) * up). Compiled as one function, the
+    # SiLU-and-multiply is computed where the reduction loads its input and the residual add in
+    # its epilogue: one kernel where the step ran three (SiLU * up, the GEMV, the add).
+    half = gate_up.shape[-1] // 2
+    out = F.linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], weight)
+    out = out if bias is None else out + bias
+    return residual + out
+
+
 class Gemv:
     """``gemv(module, x)``: ``module``'s output for ``x`` (batch 1), through the compiled
-    reduction when the module is a plain vllm linear layer, else through the module."""
+    reduction when the module is a plain vllm linear layer, else through the module.
+
+    ``mlp_tail(down_proj, gate_up, residual)``: ``residual + down_proj(silu(gate) * up)`` as one
+    compiled kernel when ``fuse_mlp_tail`` and ``down_proj`` is plain, else None (the caller runs
+    the three steps)."""
 
     name = "Inductor GEMVs (coordinate-descent tuned)"
 
-    def __init__(self):
-        self._fn = torch.compile(_linear, dynamic=False,
-                                 options={"coordinate_descent_tuning": True})
+    def __init__(self, fuse_mlp_tail: bool = True):
+        options = {"coordinate_descent_tuning": True}
+        self._fn = torch.compile(_linear, dynamic=False, options=options)
+        self._tail = torch.compile(_silu_mul_linear_add, dynamic=False, options=options)
+        self.fuse_mlp_tail = fuse_mlp_tail
+
+    def mlp_tail(self, module, gate_up: torch.Tensor, residual: torch.Tensor):
+        if self.fuse_mlp_tail and self.plain(module):
+            return self._tail(gate_up, module.weight, module.bias, residual)
+        return None
 
     @staticmethod
     def plain(module) -> bool:

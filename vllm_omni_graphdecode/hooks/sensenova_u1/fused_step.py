@@ -69,6 +69,13 @@ class Fusion:
             return self.gemv(module, x)
         return module(x)[0]
 
+    def mlp_tail(self, down_proj, gate_up, residual):
+        """``residual + down_proj(silu(gate) * up)`` as one compiled kernel (``gemv.Gemv``), or
+        None where that does not apply (the caller runs the three steps)."""
+        if self.gemv is not None:
+            return self.gemv.mlp_tail(down_proj, gate_up, residual)
+        return None
+
     def projection(self, module):
         """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""
         return module if self.gemv is None else gemv.Projection(self.gemv, module)
@@ -241,6 +248,9 @@ def _fused_layer_forward_und(layer, original):
         # hidden_states is this step's own tensor: the embedding or the previous layer's output.
         ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
         gate_up = step.fusion.linear(mlp.gate_up_proj, x)
+        fused = step.fusion.mlp_tail(mlp.down_proj, gate_up, hidden_states)
+        if fused is not None:
+            return fused
         out = step.fusion.linear(mlp.down_proj, ops.silu_and_mul(gate_up))
         return hidden_states + out
 
