@@ -62,9 +62,10 @@ def read_bytes(lm, ctx: int) -> int:
 
 def split_kernel(kernel, n: int):
     """FA3 with its split of the keys fixed at ``n``, in the per-step plan and the call."""
-    from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
 
     def schedule(q, k_cache, *, cu_seqlens_q, seqused_k, max_seqlen_k):
+        from vllm.vllm_flash_attn.flash_attn_interface import get_scheduler_metadata
+
         return get_scheduler_metadata(
             batch_size=1, max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_heads_q=q.shape[1],
             num_heads_kv=k_cache.shape[2], headdim=q.shape[2], cache_seqlens=seqused_k,
