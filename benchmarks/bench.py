@@ -147,18 +147,27 @@ def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3, temp
     return times[len(times) // 2]
 
 
-def bench_sensenova(args, rows, env):
-    is_030 = rm.has_intree_paged_decode()
+def _text_contexts(args, env):
+    """Yields (model, tokenizer, ctx, prefix logits, cache factory, floor ms) for each
+    ``--contexts`` of the text-loop cases; on 0.30 the in-tree decode is switched off for the
+    eager side (the child that times it switches it on for itself)."""
     lm, tok = sensenova_model()
     bw = copy_bandwidth(env)
-    steps = args.steps
+    if rm.has_intree_paged_decode():
+        os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
     for ctx in args.contexts:
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
+        floor = sensenova_read_bytes(lm, ctx + args.steps // 2) / bw * 1e3
+        yield lm, tok, ctx, prefix_logits, make_cache, floor
+
+
+def bench_sensenova(args, rows, env):
+    is_030 = rm.has_intree_paged_decode()
+    steps = args.steps
+    lm = None
+    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env):
         t_idx = ctx - 1
-        floor = sensenova_read_bytes(lm, ctx + steps // 2) / bw * 1e3
         eager_pipe = rm.build_pipeline(lm, tok, device="cuda")
-        if is_030:
-            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
         eager = _text_loop_ms(eager_pipe, prefix_logits, make_cache, t_idx, steps)
         log(f"ctx {ctx}: eager {eager:.2f} ms/token (floor {floor:.2f})")
         if is_030 and not args.no_intree:
@@ -204,15 +213,8 @@ def bench_sampled(args, rows, env):
     """``sensenova_sampled_ctxN[_kK]``: the text loop sampling (``do_sample``, temperature 0.7),
     ms/token: eager against the plugin at each ``--tokens-per-launch`` K (1: the loop draws each
     token itself from the graph's logits; more: the device draws them, ``token_loop.Sampling``)."""
-    is_030 = rm.has_intree_paged_decode()
-    lm, tok = sensenova_model()
-    bw = copy_bandwidth(env)
     steps = args.steps
-    for ctx in args.contexts:
-        prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
-        floor = sensenova_read_bytes(lm, ctx + steps // 2) / bw * 1e3
-        if is_030:
-            os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
+    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env):
         eager = _text_loop_ms(rm.build_pipeline(lm, tok, device="cuda"), prefix_logits,
                               make_cache, ctx - 1, steps, temperature=0.7)
         log(f"ctx {ctx}: sampled eager {eager:.2f} ms/token")

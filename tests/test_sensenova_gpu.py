@@ -673,11 +673,7 @@ def test_gpu_sampling_program_draws_from_the_loops_distribution(gpu):
 
 
 def _sampled_text(pipe, gpu, seed, steps=300, temperature=0.9):
-    out, cache, t_idx = st.prefill(pipe, gpu.ids)
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=steps, do_sample=True,
-                                   temperature=temperature)
+    return st.run_sampled_text(pipe, gpu.ids, steps, seed=seed, temperature=temperature)
 
 
 def test_gpu_sampled_text_is_reproducible_with_a_seed_whether_or_not_it_captured(gpu):

@@ -166,11 +166,7 @@ def test_a_loop_that_feeds_another_token_gets_what_the_per_token_path_gives(tiny
 
 
 def _sampled(pipe, tiny, seed, temperature=0.7, steps=40):
-    out, cache, t_idx = st.prefill(pipe, tiny.ids)
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=steps, do_sample=True,
-                                   temperature=temperature)
+    return st.run_sampled_text(pipe, tiny.ids, steps, seed=seed, temperature=temperature)
 
 
 def test_sampled_text_in_launches_draws_what_the_loop_draws(tiny):

@@ -258,6 +258,16 @@ def run_text(pipe, input_ids, max_tokens):
         return pipe._generate_text(out.logits, cache, t_idx, max_tokens=max_tokens)
 
 
+def run_sampled_text(pipe, input_ids, max_tokens, *, seed: int, temperature: float):
+    """Prefill + ``_generate_text`` sampling (``do_sample``) at ``temperature``, the default
+    generators seeded with ``seed`` after the prefill; returns the decoded text."""
+    out, cache, t_idx = prefill(pipe, input_ids)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        return pipe._generate_text(out.logits, cache, t_idx, max_tokens=max_tokens,
+                                   do_sample=True, temperature=temperature)
+
+
 def record_ar_steps(pipe) -> list:
     """Observe every ``_ar_step`` the loops make on ``pipe``: returns a list that fills with the
     last-position logits (float32 copies) of each step.
