@@ -16,7 +16,9 @@ capture routine with recovery, one verify comparison.
    capture with it (seen on the H200: a second SenseNova-U1 request decoding eagerly while the
    first captured).
 3. Give the device's random generator back the state it had before the warm-ups (a sampling
-   step draws in them; the capture itself draws nothing).
+   step draws in them; the capture itself draws nothing). What another thread drew from it
+   during the capture is drawn again after it: the paged path decodes one request at a time, so
+   only an eager request sampling on another thread meanwhile would see it.
 4. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
    ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
 

@@ -33,9 +33,10 @@ its temperature.
 
 Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
 ``replay``, ``token_launch`` (multi-token launches), ``host_picked_token`` (tokens near a bucket's
-end, one launch each), ``sampled_request`` (text loops drawn on the device), ``paged_eager_step`` (paged step without a graph),
-``eager_step`` (a step of the pipeline's own decode), ``lora_request`` (graphs captured for one
-request only), ``verified`` / ``verify_mismatch``, and each fallback by its reason.
+end, one launch each), ``sampled_request`` (text loops drawn on the device), ``paged_eager_step``
+(paged step without a graph), ``eager_step`` (a step of the pipeline's own decode),
+``lora_request`` (graphs captured for one request only), ``verified`` / ``verify_mismatch``, and
+each fallback by its reason.
 
 Scope: batch 1, greedy or sampled, TP 1. Delete the backport layout and the rope-once part of
 ``fused_step.py`` when vllm-omni < 0.30 is no longer supported.
