@@ -36,28 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import profile_step  # noqa: E402
+from bench import SENSENOVA_SHAPE, sensenova_read_bytes  # noqa: E402
 from vllm_omni_graphdecode import config, kernels  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts  # noqa: E402
 from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
 
-SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
-             vocab=151936)
-
-
 def log(msg):
     print(f"[step probe {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def read_bytes(lm, ctx: int) -> int:
-    """Bytes one decode step must read (as bench.py's floor counts them)."""
-    total = 0
-    for name, p in lm.named_parameters():
-        if "_mot_gen" in name:
-            continue
-        total += (p.shape[-1] if "embed_tokens" in name else p.numel()) * p.element_size()
-    cfg = lm.config
-    return total + 2 * cfg.num_hidden_layers * ctx * cfg.num_key_value_heads * cfg.head_dim * 2
 
 
 def split_kernel(kernel, n: int):
@@ -136,8 +122,8 @@ def main():
     env = common.environment()
     bw = common.copy_bandwidth_bytes_per_s()
     env["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)
-    lm = rm.build_lm(rm.llm_config(**SHAPE), device="cuda", dtype=torch.bfloat16, seed=0,
-                     on_device_init=True)
+    lm = rm.build_lm(rm.llm_config(**SENSENOVA_SHAPE), device="cuda", dtype=torch.bfloat16,
+                     seed=0, on_device_init=True)
     device = next(lm.parameters()).device
     kernel = kernels.select_kernel(device, lm.config.head_dim, "3")
     buckets = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}).buckets
@@ -146,7 +132,7 @@ def main():
     path = os.path.join(args.out, "decode-step-probe.json")
     for ctx in [int(c) for c in args.contexts.split(",") if c]:
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
-        floor = read_bytes(lm, ctx + args.tokens * args.rounds // 2) / bw * 1e3
+        floor = sensenova_read_bytes(lm, ctx + args.tokens * args.rounds // 2) / bw * 1e3
         driven, rows = {}, {}
         for name in names:
             try:
