@@ -169,7 +169,8 @@ def main():
     if args.profile:
         ctx = args.profile
         rows = result["contexts"].get(str(ctx), {}).get("variants", {})
-        timed = {n: r["ms_per_token"] for n, r in rows.items() if "ms_per_token" in r and n != "base"}
+        timed = {n: r["ms_per_token"] for n, r in rows.items()
+                 if "ms_per_token" in r and n != "base"}
         best = min(timed, key=timed.get) if timed else None
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
         result["profiles"] = {}
