@@ -602,7 +602,7 @@ def _step_summary(steps: list[dict]) -> dict:
 
 def _rounded(value):
     if isinstance(value, float):
-        return round(value, 4)
+        return common.significant(value)
     if isinstance(value, dict):
         return {k: _rounded(v) for k, v in value.items()}
     if isinstance(value, list):
