@@ -1,6 +1,7 @@
-"""The decode-step probe (benchmarks/decode_step_probe.py, issue #12) on CPU: its variant names
-are checked before anything is built, a variant needs the GPU's tuned GEMV and says so, and the
-base variant is the fused step with the MLP tail left as three kernels. The timings need the GPU."""
+"""The decode-step probe (benchmarks/probes/decode_step_probe.py, issue #12) on CPU: its variant
+names are checked before anything is built, a variant needs the GPU's tuned GEMV and says so, and
+the base variant is the fused step with the MLP tail left as three kernels. The timings need the
+GPU."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from vllm_omni_graphdecode import kernels
 from vllm_omni_graphdecode.testing import random_models as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "decode_step_probe.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+SCRIPT = os.path.join(ROOT, "benchmarks", "probes", "decode_step_probe.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
 
 import decode_step_probe as probe  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""The GEMV benchmark (benchmarks/gemv.py, issue #12) on CPU: its command line, its skip document
-without CUDA, how it reads Inductor's generated code and summarizes a run, that its cuBLAS
-settings are restored, and the hand-written Triton GEMV's arithmetic under Triton's CPU
-interpreter. The timings themselves need the GPU (last test)."""
+"""The GEMV benchmark (benchmarks/probes/gemv.py, issue #12) on CPU: its command line, its skip
+document without CUDA, how it reads Inductor's generated code and summarizes a run, that its cuBLAS
+settings are restored, and the hand-written Triton GEMV's arithmetic under Triton's CPU interpreter.
+The timings themselves need the GPU (last test)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "gemv.py")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+SCRIPT = os.path.join(ROOT, "benchmarks", "probes", "gemv.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
 
 import gemv  # noqa: E402
 
@@ -127,7 +127,7 @@ print("ok")
 def test_handwritten_gemv_equals_fp32_reference_rounded_to_bf16_under_triton_interpreter():
     pytest.importorskip("triton")
     proc = _run(["-c", INTERPRETED], {"TRITON_INTERPRET": "1",
-                                       "PYTHONPATH": os.path.join(ROOT, "benchmarks")})
+                                       "PYTHONPATH": os.path.join(ROOT, "benchmarks", "probes")})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 

@@ -1,6 +1,6 @@
-"""benchmarks/sensenova_denoise_probe.py on the tiny checkpoint, on CPU: the restated layer parts
-(q/k norm + 3-D rope; residual, norm, MLP and the next input norm) equal vllm-omni's own modules
-bit for bit, so what the probe times on a GPU is the same math; and every part reports."""
+"""benchmarks/probes/sensenova_denoise_probe.py on the tiny checkpoint, on CPU: the restated layer
+parts (q/k norm + 3-D rope; residual, norm, MLP and the next input norm) equal vllm-omni's own
+modules bit for bit, so what the probe times on a GPU is the same math; and every part reports."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+                                "benchmarks", "probes"))
 
 import sensenova_denoise_probe as probe  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Batch-1 GEMVs of SenseNova-U1's decode step, library against library, inside a CUDA graph.
 
-    python benchmarks/gemv.py [--out PATH] [--quick] [--shapes o_proj,qkv] [--candidates ...]
+    python benchmarks/probes/gemv.py [--out PATH] [--quick] [--shapes o_proj,qkv] [--candidates ...]
 
 Why (issue #12, "GEMVs at copy bandwidth"): a decode step at batch 1 is y = x @ W^T with x (1, K)
 bf16 for every linear layer, so each one should stream its weight at memory bandwidth. Measured
@@ -526,7 +526,7 @@ def skipped_document(args, reason) -> dict:
 
 def run(args, doc: dict) -> None:
     """Fill ``doc`` shape by shape, rewriting --out after each, so a crash keeps what was done."""
-    import common  # benchmarks/common.py: versions and GPU description
+    import common  # benchmarks/common.py (main() puts benchmarks/ on the path): versions, GPU
 
     start = time.perf_counter()
     doc.update(environment=common.environment(), args=vars(args),
@@ -572,7 +572,7 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     stdout_fd = os.dup(1)
     os.dup2(2, 1)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # common
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     doc: dict = {}
     rc = 0

@@ -1,7 +1,8 @@
 """Candidate changes to SenseNova-U1's fused decode step, timed against the step as it is, in one
 process at the real shape. Prints JSON; writes ``decode-step-probe.json`` to --out.
 
-    python benchmarks/decode_step_probe.py --out DIR [--contexts 512,2048,8192] [--profile 2048]
+    python benchmarks/probes/decode_step_probe.py --out DIR [--contexts 512,2048,8192] \
+        [--profile 2048]
 
 Variants (``--variants``, comma list):
   base          the fused step without the MLP-tail kernel (SiLU * up, the down GEMV and the
@@ -31,8 +32,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository root (the plugin) and benchmarks/ (common, profile_step, bench) on the path:
+# this file lives in benchmarks/probes/ and runs as `python3 benchmarks/probes/NAME.py`.
+_BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(_BENCHMARKS))
+sys.path.insert(0, _BENCHMARKS)
 
 import common  # noqa: E402
 import profile_step  # noqa: E402

@@ -1,6 +1,6 @@
 """What a faster SenseNova-U1 denoising step body could gain, part by part, before it is built.
 
-    python3 benchmarks/sensenova_denoise_probe.py --out DIR [--size 1024]      (H200: ~2 min)
+    python3 benchmarks/probes/sensenova_denoise_probe.py --out DIR [--size 1024]      (H200: ~2 min)
 
 writes ``DIR/sensenova-denoise-probe.json`` and prints it. ``--tiny --device cpu --size 64``
 runs the same code on the tiny checkpoint (the CPU test; nothing there is a GPU figure).
@@ -52,8 +52,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository root (the plugin) and benchmarks/ (common, sensenova_request) on the path: this
+# file lives in benchmarks/probes/ and runs as `python3 benchmarks/probes/NAME.py`.
+_BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(_BENCHMARKS))
+sys.path.insert(0, _BENCHMARKS)
 
 import common  # noqa: E402
 import sensenova_request as sr  # noqa: E402

@@ -1,7 +1,7 @@
 """Qwen-Image-2.1 cached step, fast mode against diffusers, at the real shape on one GPU.
 
-    PYTHONPATH=$PWD python3 benchmarks/qwen_fast_probe.py --out DIR [--scenarios t2i_1024,edit2_1024,t2i_512]
-    python3 benchmarks/qwen_fast_probe.py --out DIR --smoke  # tiny model on CPU, SDPA, no graphs
+    python3 benchmarks/probes/qwen_fast_probe.py --out DIR [--scenarios t2i_1024,edit2_1024,t2i_512]
+    python3 benchmarks/probes/qwen_fast_probe.py --out DIR --smoke  # tiny model on CPU, no graphs
 
 The model is ``random_transformer()`` (the released shape, ~7 B parameters, random bf16 weights).
 Per scenario (``synthetic_inputs``, 256 text tokens): one real extract step fills the prefix K/V,
@@ -36,8 +36,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository root (the plugin) and benchmarks/ (common) on the path: this file lives in
+# benchmarks/probes/ and runs as `python3 benchmarks/probes/NAME.py`.
+_BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(_BENCHMARKS))
+sys.path.insert(0, _BENCHMARKS)
 
 import common  # noqa: E402
 
