@@ -12,7 +12,7 @@ import dataclasses
 import os
 from typing import Callable, Mapping
 
-from .hooks import MODEL_KEYS
+from .models import MODEL_KEYS
 
 ENABLE_VAR = "VLLM_OMNI_GRAPHDECODE"
 BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_BUCKETS"
@@ -21,6 +21,7 @@ PRECAPTURE_BUCKETS_VAR = "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS"
 TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
 SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
 SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
+SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -160,6 +161,12 @@ SETTINGS: tuple[Setting, ...] = (
             "opt-in); off leaves the pipeline's steps as they are. graph by default: "
             "1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, 1024x1024), ~0.75 GB more "
             "peak memory."),
+    Setting(SENSENOVA_BATCH_VAR, "auto", _choice("auto", "off"), "sensenova_batch",
+            "SenseNova-U1 under load: auto declares request batching, so `vllm serve ... --omni "
+            "--max-num-seqs N` starts, and the think/text loops of the requests the engine hands "
+            "one forward decode together (up to 16 rows a batched step; a request's tokens do not "
+            "depend on what decodes beside it); with N = 1 nothing changes. off: vLLM-Omni "
+            "refuses --max-num-seqs above 1 for SenseNova-U1, as without the plugin."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),
@@ -197,7 +204,8 @@ class Config:
     stats_file: str = ""
     tokens_per_launch: int = 8
     sensenova_step: str = "fused"
-    sensenova_denoise: str = "off"
+    sensenova_denoise: str = "graph"
+    sensenova_batch: str = "auto"
 
     @property
     def enabled(self) -> bool:

@@ -19,6 +19,17 @@ weight shape (the weight is an argument, so one compiled kernel serves every lay
 
 The fp32 accumulation order differs from cuBLAS's, so results differ in the last bits of bf16:
 this belongs to the fused step, never to the exact one.
+
+Deterministic: the reduction's block sizes are tuned by timing, and two processes could pick
+different ones and so round the same request differently (issue #22: two engine runs with the
+plugin parted at think token 693). Inductor's deterministic mode (``deterministic``, torch >=
+2.9) keeps each reduction's configuration fixed from its heuristics instead; where torch lacks it
+the fused step's GEMVs fall back to the modules' own (cuBLAS), with the reason counted.
+
+A LoRA wrapper of vllm-omni whose adapter is not active on a layer computes exactly its base
+layer (``DiffusionBaseLinearLayerWithLoRA.apply`` skips the adapter's matmuls), so it runs the
+base layer's GEMV here: a base request after a LoRA request decodes as it did before the
+adapter's wrappers were put in (issue #22).
 """
 
 from __future__ import annotations
@@ -67,12 +78,13 @@ class Gemv:
     name = "Inductor GEMVs (coordinate-descent tuned)"
 
     def __init__(self, fuse_mlp_tail: bool = True):
-        options = {"coordinate_descent_tuning": True}
+        options = {"coordinate_descent_tuning": True, "deterministic": True}
         self._fn = torch.compile(_linear, dynamic=False, options=options)
         self._tail = torch.compile(_silu_mul_linear_add, dynamic=False, options=options)
         self.fuse_mlp_tail = fuse_mlp_tail
 
     def mlp_tail(self, module, gate_up: torch.Tensor, residual: torch.Tensor):
+        module = base_of_inactive_lora(module)
         if self.fuse_mlp_tail and self.plain(module):
             return self._tail(gate_up, module.weight, module.bias, residual)
         return None
@@ -93,9 +105,21 @@ class Gemv:
                 and not module._forward_hooks and not module._forward_pre_hooks)
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
-        if self.plain(module):
-            return self._fn(x, module.weight, module.bias)
+        base = base_of_inactive_lora(module)
+        if self.plain(base):
+            return self._fn(x, base.weight, base.bias)
         return module(x)[0]
+
+
+def base_of_inactive_lora(module):
+    """``module``'s base layer when it is a vllm-omni diffusion LoRA wrapper with no adapter
+    slice active (it then computes exactly its base layer), else ``module``. Read at every call:
+    inside a graph, at capture (graphs are captured per request while LoRA wrappers exist)."""
+    active = getattr(module, "_diffusion_lora_active_slices", None)
+    if active is None or any(active):
+        return module
+    base = module.__dict__.get("_diffusion_base_layer_ref")
+    return base if isinstance(base, torch.nn.Module) else module
 
 
 def select_gemv(device) -> Gemv | Reason:
@@ -108,6 +132,11 @@ def select_gemv(device) -> Gemv | Reason:
         return NO_GEMV.because("torch.utils._triton missing")
     if not has_triton():
         return NO_GEMV.because("Triton not usable on this device")
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "deterministic"):
+        return NO_GEMV.because(f"torch {torch.__version__}'s Inductor has no deterministic mode: "
+                               f"its tuned GEMVs could round differently in another process")
     return Gemv()
 
 

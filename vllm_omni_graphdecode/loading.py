@@ -21,6 +21,7 @@ import threading
 
 from . import config, stats
 from .hooks import load as load_hook
+from .models import MODELS
 from .patching import HookRefused, check_signature
 from .reasons import Reason
 
@@ -132,10 +133,25 @@ def _offer(model: str, candidates: list, cfg: config.Config, runner) -> str | No
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches the runner class right after vllm-omni imports its module."""
+    """Runs each registered callback right after vllm-omni imports its module (the runner
+    class's module; a model's pipeline module, ``models.Model.on_import``)."""
+
+    def __init__(self):
+        self.callbacks: dict[str, list] = {}
+
+    def add(self, module_name: str, callback) -> None:
+        """``callback(module)`` now if ``module_name`` is imported, else right after it is."""
+        module = sys.modules.get(module_name)
+        if module is not None:
+            callback(module)
+            return
+        self.callbacks.setdefault(module_name, []).append(callback)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != RUNNER_MODULE:
+        callbacks = self.callbacks.pop(fullname, None)
+        if not callbacks:
             return None
         for finder in sys.meta_path:
             if finder is self:
@@ -146,14 +162,29 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
                 def exec_and_patch(module, _exec=exec_module):
                     _exec(module)
-                    _patch_module(module)
+                    for callback in callbacks:
+                        callback(module)
 
                 spec.loader.exec_module = exec_and_patch
                 return spec
+        self.callbacks[fullname] = callbacks  # not found now: a later import may find it
         return None
 
 
 _finder = _PatchOnImport()
+
+
+def _on_import(model: str, function: str, cfg: config.Config):
+    def call(module) -> None:
+        try:
+            line = getattr(load_hook(model), function)(module, cfg)
+        except Exception as exc:  # never break the import of vllm-omni's own module
+            logger.exception("graphdecode: %s: %s failed", model, function)
+            stats.refused(model, HOOK_ERROR.because(f"{function}: {exc!r}"))
+            return
+        if line:
+            logger.info("graphdecode: %s: %s", model, line)
+    return call
 
 
 def _patch_module(module) -> None:
@@ -169,8 +200,9 @@ def install() -> None:
     problem = check_omni_version(omni_version())
     if problem:
         logger.warning("graphdecode: %s", problem)
-    module = sys.modules.get(RUNNER_MODULE)
-    if module is not None:
-        _patch_module(module)
-    elif _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+    cfg = config.get()
+    for model in MODELS:
+        if model.key in cfg.models:
+            for module_name, function in model.on_import:
+                _finder.add(module_name, _on_import(model.key, function, cfg))
+    _finder.add(RUNNER_MODULE, _patch_module)

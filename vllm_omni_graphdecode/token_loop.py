@@ -194,6 +194,29 @@ def _served_draw(args, kwargs):
     return torch.full(tuple(x.shape[:-1]) + (1,), token, dtype=torch.long)
 
 
+class HostLogits:
+    """One loop's host logits ``(1, 1, vocab)`` whose argmax (and whose one draw) is a given
+    token: 0 there, -inf elsewhere (``ServedLogits``). What the loop reads in place of the
+    device's logits, so its own pick and ``.item()`` cost no device sync. One buffer, rewritten
+    in two entries per token; a result is valid until the next call."""
+
+    def __init__(self):
+        self._logits: torch.Tensor | None = None
+        self._hot: int | None = None
+
+    def logits(self, token: int, vocab: int) -> ServedLogits:
+        if self._logits is None or self._logits.shape[-1] != vocab:
+            self._logits = torch.full((1, 1, vocab), float("-inf"))
+            self._hot = None
+        if self._hot is not None:
+            self._logits[0, 0, self._hot] = float("-inf")
+        self._logits[0, 0, token] = 0.0
+        self._hot = token
+        served = self._logits.as_subclass(ServedLogits)
+        served._token = token
+        return served
+
+
 @dataclasses.dataclass
 class _Launch:
     length: int  # valid tokens before the launch's first fed token
@@ -229,23 +252,11 @@ class Lookahead:
         self._hosts = [torch.zeros(k, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._turn = 0
         self.vocab = 0
-        self._logits: torch.Tensor | None = None
-        self._hot: int | None = None
+        self._served = HostLogits()
 
     def logits(self, token: int) -> ServedLogits:
-        """Host logits ``(1, 1, vocab)`` whose argmax (and whose one draw) is ``token``: 0 there,
-        -inf elsewhere (``ServedLogits``). What the loop reads in place of the device's logits,
-        so its own pick and ``.item()`` cost no device sync. Valid until the next call."""
-        if self._logits is None or self._logits.shape[-1] != self.vocab:
-            self._logits = torch.full((1, 1, self.vocab), float("-inf"))
-            self._hot = None
-        if self._hot is not None:
-            self._logits[0, 0, self._hot] = float("-inf")
-        self._logits[0, 0, token] = 0.0
-        self._hot = token
-        served = self._logits.as_subclass(ServedLogits)
-        served._token = token
-        return served
+        """``HostLogits.logits`` over this loop's vocabulary."""
+        return self._served.logits(token, self.vocab)
 
     def next(self, token: int, position: int) -> int:
         """The loop feeds ``token`` at ``position``: returns the token that follows it."""

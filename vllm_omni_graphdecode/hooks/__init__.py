@@ -1,9 +1,10 @@
-"""The model registry: the one list of models this plugin wires. Config, the loader, ``doctor``
-and the tests read it; adding a model is a hook package (or module) here plus one line below.
+"""The hooks, one package per model, and ``load``: the hook module of a model key. The list of
+models is ``vllm_omni_graphdecode.models`` (below config and this package, which both read it);
+adding a model is a hook package here plus one row there.
 
 A hook module exposes:
 
-    MODEL: str                            its key (the row's key below)
+    MODEL: str                            its key (the row's key in ``models.MODELS``)
     find_target(pipeline) -> obj | None   the object it would wire in this loaded pipeline, or None
     wire(target, cfg, runner) -> str      patch it; return a one-line summary for the load log.
                                           Raise ``patching.HookRefused(reason)`` to leave it alone.
@@ -15,24 +16,12 @@ pipeline is offered to it.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from types import ModuleType
 
+from ..models import MODEL_KEYS, MODELS, Model
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    key: str  # the value in VLLM_OMNI_GRAPHDECODE and the stats prefix
-    title: str
-    module: str  # the hook, imported on first use
-
-
-MODELS: tuple[Model, ...] = (
-    Model("sensenova_u1", "SenseNova-U1", "vllm_omni_graphdecode.hooks.sensenova_u1"),
-    Model("qwen_image_21", "Qwen-Image-2.1", "vllm_omni_graphdecode.hooks.qwen_image_21"),
-)
-
-MODEL_KEYS: tuple[str, ...] = tuple(m.key for m in MODELS)
+__all__ = ["MODELS", "MODEL_KEYS", "Model", "load"]
 
 
 def load(key: str) -> ModuleType:

@@ -53,8 +53,8 @@ from .wiring import STATE_ATTR, install
 
 __all__ = ["BUSY", "CAPTURE_FAILED", "COMPILED", "Fusion", "HOOKED", "KV_QUANT", "LAYOUTS",
            "Layout", "MODEL", "OFFLOAD", "OOM", "PAGED_KWARG", "RELEASED", "STATE_ATTR", "TP",
-           "UNFUSED", "detect_layout", "find_target", "install", "paged_decoder", "support",
-           "wire"]
+           "UNFUSED", "declare_batching", "detect_layout", "find_target", "install",
+           "paged_decoder", "support", "wire"]
 
 
 def support() -> dict[str, str]:
@@ -80,3 +80,17 @@ def find_target(pipeline):
 
 def wire(target, cfg, runner) -> str:
     return install(target, cfg, runner)
+
+
+def declare_batching(module, cfg) -> str | None:
+    """Called right after vllm-omni imports its SenseNova-U1 pipeline module, in every process
+    that loads the plugin (``models.Model.on_import``): declares request batching there
+    (``batch.declare``) unless ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH=off``."""
+    if cfg.sensenova_batch == "off":
+        return None
+    cls = getattr(module, "SenseNovaU1Pipeline", None)
+    if cls is None:
+        return "request batching not declared: the module has no SenseNovaU1Pipeline"
+    from .batch import declare
+
+    return declare(cls)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -26,6 +27,7 @@ from ...ar_session import ARSessions, PagedDecoder
 from ...patching import HookRefused, check_signature
 from ...reasons import Reason
 from ...token_loop import Sampling
+from . import batch as batch_mod
 from . import layouts, rules
 from .step import MODEL, Step, patch_attention, select_kv_writer
 
@@ -47,6 +49,14 @@ class Wiring:
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
                                    gate=lambda: rules.gate(pipeline, self.lm, kernel),
                                    per_request=lambda: rules.lora_present(self.lm))
+        # The batched decode (batch.py) when the engine hands forward several requests; then the
+        # loops decode there and ``sessions`` is not used.
+        self.batch: batch_mod.BatchWiring | None = None
+        self.row_sessions = threading.local()
+
+    def row_session(self):
+        """This thread's batch row session (``batch.RowSession``), or None."""
+        return getattr(self.row_sessions, "session", None)
 
     def _decoder(self) -> PagedDecoder:
         step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
@@ -73,15 +83,21 @@ class Wiring:
 
     def release(self) -> None:
         self.sessions.release()
+        if self.batch is not None:
+            self.batch.release()
 
 
 def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = None,
-            image_graphs: bool | None = None) -> str:
+            image_graphs: bool | None = None, rows: int | None = None,
+            batch_attention=None) -> str:
     """Wire ``pipeline``; returns the one-line summary. HookRefused leaves it untouched.
 
     ``kernel``/``graphs`` override the kernel selection and the graph switch (tests run the paged
     path on CPU with ``kernels.REFERENCE`` and ``graphs=False``); ``image_graphs=False`` runs the
-    denoising branches' static-buffer step without capture on any device (CPU tests).
+    denoising branches' static-buffer step without capture on any device (CPU tests). ``rows``:
+    requests the engine hands one ``forward`` (default: the runner's ``max_num_seqs``); above 1
+    the loops decode in the batch (``batch.py``), with ``batch_attention`` (default: vLLM's
+    Triton decode kernel on CUDA).
     """
     if getattr(pipeline, STATE_ATTR, None) is not None or getattr(pipeline, IMAGE_ATTR, None):
         return "already wired"
@@ -91,7 +107,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
             f"{type(pipeline).__qualname__} has no language_model"))
     cls = type(pipeline)
     layout = layouts.detect_layout(lm, cls)
-    if layout.in_tree and cfg.sensenova_intree == "defer":
+    if rows is None:
+        rows = batch_mod.engine_rows(runner, cfg)
+    if rows > 1:
+        check_signature(cls, "forward", batch_mod.FORWARD_PARAMS)
+    elif layout.in_tree and cfg.sensenova_intree == "defer":
         image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None)
         head = (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
                 f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer)")
@@ -120,6 +140,10 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
 
         stats.degraded(MODEL, UNFUSED.because("; ".join(off)))
     wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer)
+    if rows > 1:
+        wiring.batch = batch_mod.BatchWiring(pipeline, layout, cfg, rows,
+                                             attention=batch_attention, graphs=graphs,
+                                             writer=writer)
 
     # From here on nothing is checked any more: patch.
     if isinstance(kernel, kernels.Kernel):
@@ -134,6 +158,9 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         wiring, bound["_append_text_tokens_to_cache"])
     if layout.in_tree:
         pipeline._decode_context = _decode_context_taken_over
+    if wiring.batch is not None:
+        pipeline.forward = batch_mod.wrap_forward(wiring.batch, pipeline.forward)
+        setattr(pipeline, batch_mod.BATCH_ATTR, True)
     setattr(pipeline, STATE_ATTR, wiring)
     image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=wiring)
 
@@ -150,6 +177,9 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     buckets = ",".join(map(str, cfg.buckets))
     tail = paged_decode.tail_step(cfg.buckets)
     taken = "; in-tree decode context taken over" if layout.in_tree else ""
+    if wiring.batch is not None:
+        return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode "
+                f"{wiring.batch.describe()}{taken}; {wiring.batch.precapture()}; {image}")
     return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode paged "
             f"({what}; step {step_line}); buckets {buckets} (+{tail} tail){taken}; "
             f"{wiring.precapture()}; {image}")
@@ -211,6 +241,8 @@ def _wrap_loop(wiring: Wiring, original, think: bool):
     @functools.wraps(original)
     def decode_loop(*args, **kwargs):
         cache = args[1] if len(args) > 1 else kwargs.get("past_key_values")
+        if wiring.batch is not None:
+            return _batch_loop(wiring, original, signature, args, kwargs, think, cache)
         session = wiring.sessions.open(cache, finish_on_close=think)
         try:
             if session is not None:
@@ -230,6 +262,46 @@ END, THINK_END = "<|im_end|>", "</think>"
 LIMIT_PARAM = {True: "max_think_tokens", False: "max_tokens"}
 
 
+def _batch_loop(wiring: Wiring, original, signature, args, kwargs, think: bool, cache):
+    """The loop as a row of the batch (``batch.RowSession``): ``_ar_step`` serves its tokens."""
+    params = _loop_params(signature, args, kwargs) or {}
+    sampling = batch_mod.sampling_for(params, think)
+    session = batch_mod.open_row(wiring.batch, cache, think=think, sampling=sampling)
+    if session is None:
+        return original(*args, **kwargs)
+    if sampling.temperature > 0:
+        # The loop draws its first token from the prefill's logits itself, from the process's
+        # generator: drawn here from the row's own stream instead, as every later token is.
+        args, kwargs = _first_token_drawn(session, signature, args, kwargs, params)
+    wiring.row_sessions.session = session
+    try:
+        return original(*args, **kwargs)
+    finally:
+        wiring.row_sessions.session = None
+        session.close()
+
+
+def _first_token_drawn(session, signature, args, kwargs, params):
+    """The text loop's arguments with ``prefix_logits`` replaced by host logits whose draw is the
+    row's own draw from them (``batch.RowSession.first_draw``)."""
+    logits = params.get("prefix_logits")
+    if logits is None:
+        return args, kwargs
+    token = session.first_draw(logits, params.get("t_idx"))
+    bound = signature.bind(*args, **kwargs)
+    bound.arguments["prefix_logits"] = session.logits(token, vocab=logits.shape[-1])
+    return bound.args, bound.kwargs
+
+
+def _loop_params(signature, args, kwargs) -> dict | None:
+    try:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+    except (AttributeError, TypeError):
+        return None
+
+
 def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> None:
     """Serve this loop from multi-token launches: the think loop picks by argmax; the text loop
     too, unless it samples (``do_sample`` with a temperature > 0), when the device draws each token
@@ -237,12 +309,7 @@ def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> 
     skip what is not needed."""
     if session.decoder.tokens_per_launch <= 1:
         return
-    try:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        params = bound.arguments
-    except (AttributeError, TypeError):
-        params = None
+    params = _loop_params(signature, args, kwargs)
     if params is None:
         if not think:
             return  # cannot tell whether this text loop samples: its own picks, token by token
@@ -270,6 +337,12 @@ def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> 
 def _wrap_ar_step(wiring: Wiring, original, output_cls):
     @functools.wraps(original)
     def ar_step(next_token, t_idx, past_key_values, *args, **kwargs):
+        row = wiring.row_session()
+        if row is not None and row.serves(past_key_values):
+            token = row.decode(int(next_token), t_idx + 1)
+            if token is not None:
+                return output_cls(logits=row.logits(token), past_key_values=past_key_values)
+            # handed back: the cache holds every token so far; the eager step continues
         session = wiring.sessions.session
         if session is not None and session.serves(past_key_values) and session.ahead is not None:
             token = session.decode(int(next_token), t_idx + 1)
@@ -293,6 +366,9 @@ def _wrap_ar_step(wiring: Wiring, original, output_cls):
 def _wrap_append(wiring: Wiring, original):
     @functools.wraps(original)
     def append_text_tokens_to_cache(cache, t_idx, input_ids, *args, **kwargs):
+        row = wiring.row_session()
+        if row is not None and row.serves(cache):
+            row.finish()  # the think loop is over and the cache is read next
         session = wiring.sessions.session
         if session is not None and session.serves(cache):
             # The think loop is over and the cache is read next: it must hold the decoded tokens.

@@ -1,0 +1,473 @@
+"""Several sequences decoding together: one captured launch decodes ``k`` tokens for every row.
+
+Why: a SenseNova-U1 decode token at batch 1 reads all ~17.5 GB of the understanding weights; on
+the H200 the step's linear layers at 16 rows cost 1.03x one row (FACTS 5c: 4.56 against 4.42 ms
+for the 42 layers' GEMMs, one graph per row count). So requests that decode at the same time
+should decode in one step. vLLM-Omni hands a pipeline several requests in one ``forward``
+(``turns`` runs each through the pipeline's own code); their decode loops meet here.
+
+How:
+
+- The step always runs ``rows`` rows (``BatchKV``): idle rows decode a dummy token over one
+  scratch key. One row count means one shape for every kernel, so no library kernel picks another
+  algorithm for another batch, and rows never mix outside attention, which is batch-invariant by
+  construction (``batch_kv``). A request's tokens are therefore the same whether it decodes alone
+  or beside fifteen others, in whichever row.
+- ``BatchProgram``: ``k`` steps of all rows as one function a graph records (one graph per
+  program and pool generation: the attention takes no maximum length, so one graph serves every
+  length). After each step every row's next token is chosen on the device: the argmax (the loops'
+  own pick), or for a row that samples a Gumbel-max draw from ``softmax(logits / t)`` with noise
+  from a counter-based hash of (the request's seed, the token's position, the vocabulary index).
+  That is the loops' distribution, and the same numbers whatever else decodes (the device's
+  global generator would hand each row whatever its neighbours left).
+- ``BatchDecoder``: rows join (their prefill copied in), ``Row.next`` serves each loop its
+  tokens from the last launch as ``token_loop.Lookahead`` does for one sequence (checking the loop
+  fed exactly what the device fed), and a row that needs more waits (``turns.Turns.wait_until``);
+  when no request can run, ``launch`` decodes the next ``k`` tokens of every waiting row.
+- Hand-backs: a row that cannot continue (no blocks left and the pool cannot grow, a failed
+  capture, a sleep release) has its K/V written back to its own cache and its loop continues on
+  the pipeline's eager path from exactly the tokens decoded so far.
+
+Counted under the model's key: ``batch_launch``, ``batch_rows`` (rows decoded, summed over
+launches: their ratio is the mean batch), ``batch_capture``, ``batch_row_join``,
+``batch_eager_launch``; fallbacks by reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from . import cuda_graphs, stats, turns
+from .batch_kv import BatchKV, blocks_for
+from .cuda_graphs import CaptureFailed, is_oom
+from .reasons import Reason
+
+logger = stats.logger
+
+NO_ROOM = Reason("no room in the batch's paged K/V",
+                 "lower --max-num-seqs or VLLM_OMNI_GRAPHDECODE_BUCKETS, or free device memory; "
+                 "the request finishes eagerly")
+BATCH_CAPTURE_FAILED = Reason("batch decode graph capture failed",
+                              "report it with the log; sleep level 2 (release_captured_graphs) "
+                              "retries capture")
+BATCH_RELEASED = Reason("batch decode released (sleep) during this request",
+                        "nothing to change: the request finishes eagerly; the next one decodes "
+                        "in the batch again")
+
+# Multipliers of the counter-based hash (splitmix64's); int64 arithmetic wraps in torch.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+_LOW31 = (1 << 31) - 1
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) float32 in (0, 1): a hash of (seed, position, vocabulary index) per entry.
+
+    ``seed``/``position`` (rows,) int64. splitmix64's finaliser over a key mixing the three; 24
+    bits become the uniform. Deterministic on every device and independent of the batch.
+    """
+    key = (seed * _GOLDEN + position)[:, None] * _GOLDEN
+    key = key + torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
+    key = (key ^ _shr(key, 30)) * _MIX1
+    key = (key ^ _shr(key, 27)) * _MIX2
+    key = key ^ _shr(key, 31)
+    bits = _shr(key, 40).to(torch.float32)  # the top 24 bits
+    return (bits + 0.5) * (1.0 / (1 << 24))
+
+
+def choose(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+           position: torch.Tensor, sampled: bool) -> torch.Tensor:
+    """(rows,) long: each row's next token. ``temperature`` (rows,) float32, 0 for the argmax
+    (the loops' greedy pick, first maximum on ties); > 0: argmax of ``logits / t + Gumbel``, a
+    draw from ``softmax(logits / t)``. ``sampled`` False: every row takes the argmax."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    greedy = torch.argmax(logits, dim=-1)
+    if not sampled:
+        return greedy
+    u = uniform(seed, position, logits.shape[-1])
+    gumbel = -torch.log(-torch.log(u))
+    t = temperature.clamp(min=1e-6)[:, None]
+    drawn = torch.argmax(logits.float() / t + gumbel, dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """How a row's loop picks: ``temperature`` 0 is the argmax; > 0 draws with ``seed``."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class BatchStepModel(Protocol):
+    """What a hook supplies: one decode step of its model for ``rows`` rows over a ``BatchKV``.
+
+    ``forward(cache)`` reads only static tensors (weights, the inputs ``load_inputs`` /
+    ``advance`` write, the cache's buffers and device state) and returns (rows, vocab) logits.
+    ``positions`` is the (rows,) long tensor of each row's current token position.
+    """
+
+    rows: int
+    positions: torch.Tensor
+
+    def load_inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> None: ...
+
+    def advance(self, tokens: torch.Tensor, active: torch.Tensor) -> None: ...
+
+    def forward(self, cache: BatchKV) -> torch.Tensor: ...
+
+
+class BatchProgram:
+    """``k`` decode steps of every row as one function a graph records (module docstring).
+
+    Inputs (written by the host before a launch): ``start_tokens``, ``start_positions`` (rows,)
+    long, ``start_lengths`` (rows,) int32 (valid keys in the first step, the fed token's
+    included), ``active`` (rows,) int32, ``temperature`` (rows,) float32, ``seed`` (rows,) long.
+    Output: ``tokens`` (k, rows) long.
+    """
+
+    def __init__(self, model: BatchStepModel, cache: BatchKV, k: int, *, sampled: bool):
+        rows, device = cache.rows, cache.device
+        self.model, self.cache, self.k, self.sampled = model, cache, k, sampled
+        self.start_tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.start_positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.start_lengths = torch.ones(rows, dtype=torch.int32, device=device)
+        self.active = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(k, rows, dtype=torch.long, device=device)
+        self.graph = None
+        self.output: torch.Tensor | None = None  # the last step's logits of the last launch
+        self.generation = -1
+        self.vocab = 0
+
+    def forward(self) -> torch.Tensor:
+        """Returns the last step's logits; the chosen tokens go to ``tokens``."""
+        m, c = self.model, self.cache
+        m.load_inputs(self.start_tokens, self.start_positions)
+        c.load_lengths(self.start_lengths, self.active)
+        logits = None
+        for j in range(self.k):
+            if j:
+                m.advance(self.tokens[j - 1], self.active)
+                c.advance()
+            logits = m.forward(c)
+            self.tokens[j].copy_(choose(logits, self.temperature, self.seed, m.positions,
+                                        self.sampled))
+        return logits
+
+    def run(self, *, graphs: bool, pool) -> bool:
+        """One launch: the graph (captured first when missing or stale), or eagerly. Returns
+        whether a graph was captured now. Raises ``CaptureFailed``."""
+        if not graphs:
+            self.output = self.forward()
+            self.vocab = self.output.shape[-1]
+            return False
+        captured = False
+        if self.graph is None or self.generation != self.cache.generation:
+            self.graph = self.output = None
+            done = cuda_graphs.capture(self.forward, self.cache.device, pool=pool)
+            self.graph, self.output = done.graph, done.output
+            self.vocab = self.output.shape[-1]
+            self.generation = self.cache.generation
+            captured = True
+        self.graph.replay()
+        return captured
+
+    def drop_graph(self) -> None:
+        self.graph = self.output = None
+
+
+class Row:
+    """One sequence's place in the batch: what its loop fed, what the launches decoded for it."""
+
+    def __init__(self, decoder: "BatchDecoder", index: int, cache, sampling: RowSampling):
+        self.decoder = decoder
+        self.index = index
+        self.cache = cache  # the request's own DynamicCache (written back at the end)
+        self.sampling = sampling
+        self.live = True
+        self.handed_back: Reason | None = None
+        # The next launch starts from (want_token, want_position) over ``length`` valid tokens.
+        self.want: tuple[int, int] | None = None
+        # The last launch's tokens: fed[i] was fed at start_position + i, nexts[i] followed it.
+        self.fed: list[int] = []
+        self.nexts: list[int] = []
+        self.start_length = 0
+        self.start_position = 0
+        self.cursor = -1
+        self.steps = 0
+
+    @property
+    def length(self) -> int:
+        return self.decoder.cache.lengths[self.index]
+
+    def next(self, token: int, position: int) -> int | None:
+        """The loop feeds ``token`` at ``position``: the token that follows it, or None after a
+        hand-back (the loop's cache then holds every token decoded so far)."""
+        if not self.live:
+            return None
+        i = self.cursor + 1
+        if (0 < i < len(self.fed) and self.fed[i] == token
+                and self.start_position + i == position):
+            self.cursor = i
+            self.decoder.cache.lengths[self.index] = self.start_length + i + 1
+            self.steps += 1
+            return self.nexts[i]
+        self.want = (token, position)
+        self.fed = []
+        self.decoder.wait_for(self)
+        if not self.live:
+            return None
+        self.steps += 1
+        return self.nexts[0]
+
+    def receive(self, tokens: list[int]) -> None:
+        token, position = self.want
+        self.start_length, self.start_position = self.length, position
+        self.nexts = tokens
+        self.fed = [token] + tokens[:-1]
+        self.cursor = 0
+        self.decoder.cache.lengths[self.index] = self.start_length + 1
+        self.want = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.live and self.want is not None
+
+
+class BatchDecoder:
+    """Up to ``cache.rows`` sequences decoding together (module docstring).
+
+    ``model``: the hook's ``BatchStepModel``; ``graphs``: capture launches (else run them
+    eagerly, the same kernels); ``k``: tokens per launch; ``pool``: the graph pool (default
+    ``cuda_graphs.graph_pool``).
+    """
+
+    def __init__(self, model: BatchStepModel, cache: BatchKV, *, name: str, k: int,
+                 graphs: bool, pool=None, max_blocks_per_row: int | None = None):
+        self.model = model
+        self.cache = cache
+        self.name = name
+        self.k = k
+        self.graphs = graphs
+        self.pool = pool
+        self.max_blocks_per_row = max_blocks_per_row
+        self.rows: list[Row | None] = [None] * cache.rows
+        self.programs: dict[bool, BatchProgram] = {}
+        self.capture_failed: str | None = None
+        self.lock = threading.RLock()
+        self._host_tokens = torch.zeros(k, cache.rows, dtype=torch.long,
+                                        pin_memory=cache.device.type == "cuda")
+        self._released = False
+        self.vocab = 0
+
+    @property
+    def live_rows(self) -> list[Row]:
+        return [r for r in self.rows if r is not None and r.live]
+
+    def free_rows(self) -> int:
+        return sum(r is None for r in self.rows)
+
+    # -- rows ---------------------------------------------------------------------------------
+
+    def join(self, past_key_values, sampling: RowSampling = RowSampling()) -> Row | None:
+        """A row for a prefilled ``DynamicCache`` (batch 1), or None when every row is taken or
+        the pool has no room (the caller runs the loop eagerly, the reason counted)."""
+        with self.lock:
+            if self._released:
+                return None
+            try:
+                index = self.rows.index(None)
+            except ValueError:
+                return None
+            prefix = past_key_values.layers[0].keys.shape[2]
+            if not self._reserve(index, prefix + 1 + self.k):
+                return None
+            self.cache.load(index, past_key_values)
+            row = Row(self, index, past_key_values, sampling)
+            self.rows[index] = row
+            stats.count(self.name, "batch_row_join")
+            return row
+
+    def leave(self, row: Row, *, write_back: bool) -> None:
+        """``row``'s loop is over: its K/V written back to its cache when asked (the caller reads
+        the cache next), its blocks returned."""
+        with self.lock:
+            if row.live and write_back and row.steps:
+                self.cache.write_back(row.index, row.cache)
+            row.live = False
+            if self.rows[row.index] is row:
+                self.rows[row.index] = None
+                self.cache.release_row(row.index)
+            if self._released and not self.live_rows:
+                self._drop()
+
+    def hand_back(self, row: Row, reason: Reason) -> None:
+        """Write ``row``'s decoded K/V back and let the eager path take its loop over."""
+        if not row.live:
+            return
+        self.cache.write_back(row.index, row.cache)
+        row.live = False
+        row.handed_back = reason
+        stats.fallback(self.name, reason)
+        self.rows[row.index] = None
+        self.cache.release_row(row.index)
+
+    def _reserve(self, index: int, tokens: int) -> bool:
+        """Blocks for ``tokens`` tokens in row ``index``, growing the pool (and table) if needed.
+        False under memory pressure (nothing changed)."""
+        cache = self.cache
+        if blocks_for(tokens) > cache.width:
+            try:
+                cache.grow(cache.num_blocks, width=max(blocks_for(tokens), 2 * cache.width))
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                return False
+        if cache.reserve(index, tokens):
+            return True
+        short = blocks_for(tokens) - len(cache.row_blocks[index]) - len(cache.free)
+        try:
+            # Grow by at least a quarter: a pool that grows one block at a time recaptures often.
+            cache.grow(cache.num_blocks + max(short, cache.num_blocks // 4))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return False
+        return cache.reserve(index, tokens)
+
+    # -- launches -----------------------------------------------------------------------------
+
+    def wait_for(self, row: Row) -> None:
+        """``row`` wants the next launch: give the turn away until it has run, or launch now
+        when this thread is not one of a group's members (one request, or a direct caller)."""
+        group = turns.current()
+        if group is None:
+            with self.lock:
+                self.launch()
+            return
+        group.group.wait_until(lambda: not row.waiting)
+
+    @torch.inference_mode()
+    def launch(self) -> None:
+        """Decode the next ``k`` tokens of every waiting row in one launch (the turns' idle
+        work). Rows that cannot go on are handed back first. In inference mode whichever thread
+        runs it: the member holding the turn may have left its request's ``forward``."""
+        with self.lock:
+            waiting = [r for r in self.rows if r is not None and r.waiting]
+            if not waiting:
+                return
+            if self._released:
+                for row in waiting:
+                    self.hand_back(row, BATCH_RELEASED)
+                return
+            if self.capture_failed is not None:
+                for row in waiting:
+                    self.hand_back(row, BATCH_CAPTURE_FAILED.because(self.capture_failed))
+                return
+            for row in sorted(waiting, key=lambda r: r.length):
+                if not self._reserve(row.index, row.length + 1 + self.k):
+                    self.hand_back(row, NO_ROOM.because(
+                        f"row {row.index} at {row.length} tokens, {len(self.cache.free)} free "
+                        f"blocks"))
+            waiting = [r for r in waiting if r.live]
+            if not waiting:
+                return
+            self._run(waiting)
+
+    def _run(self, waiting: list[Row]) -> None:
+        sampled = any(r.sampling.temperature > 0 for r in waiting)
+        program = self.programs.get(sampled)
+        if program is None:
+            program = self.programs[sampled] = BatchProgram(self.model, self.cache, self.k,
+                                                            sampled=sampled)
+        rows = self.cache.rows
+        tokens, positions = [0] * rows, [0] * rows
+        lengths, active = [1] * rows, [0] * rows
+        temps, seeds = [0.0] * rows, [0] * rows
+        for r in waiting:
+            tokens[r.index], positions[r.index] = r.want
+            lengths[r.index] = r.length + 1
+            active[r.index] = 1
+            temps[r.index], seeds[r.index] = r.sampling.temperature, r.sampling.seed
+        program.start_tokens.copy_(torch.tensor(tokens))
+        program.start_positions.copy_(torch.tensor(positions))
+        program.start_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        program.active.copy_(torch.tensor(active, dtype=torch.int32))
+        program.temperature.copy_(torch.tensor(temps, dtype=torch.float32))
+        program.seed.copy_(torch.tensor(seeds))
+        try:
+            if program.run(graphs=self.graphs, pool=self.pool):
+                stats.count(self.name, "batch_capture")
+        except CaptureFailed as exc:
+            self.capture_failed = str(exc)[:300]
+            for r in waiting:
+                self.hand_back(r, BATCH_CAPTURE_FAILED.because(self.capture_failed))
+            return
+        if not self.graphs:
+            stats.count(self.name, "batch_eager_launch")
+        self._host_tokens.copy_(program.tokens, non_blocking=True)
+        if program.tokens.is_cuda:
+            torch.cuda.current_stream(self.cache.device).synchronize()
+        self.vocab = program.vocab
+        host = self._host_tokens.t().tolist()
+        for r in waiting:
+            r.receive(host[r.index])
+        stats.count(self.name, "batch_launch")
+        stats.count(self.name, "batch_rows", len(waiting))
+
+    def precapture(self) -> float:
+        """Capture the greedy program now (model load): idle rows only, so nothing of any
+        request is touched. Returns seconds."""
+        with self.lock:
+            start = time.perf_counter()
+            program = self.programs.get(False)
+            if program is None:
+                program = self.programs[False] = BatchProgram(self.model, self.cache, self.k,
+                                                              sampled=False)
+            if self.graphs:
+                program.run(graphs=True, pool=self.pool)
+                stats.count(self.name, "batch_capture")
+            return time.perf_counter() - start
+
+    # -- release ------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Sleep level 2: drop graphs and buffers. Rows still decoding are handed back at their
+        next launch, and the buffers go when the last one leaves."""
+        with self.lock:
+            self._released = True
+            self.capture_failed = None
+            if not self.live_rows:
+                self._drop()
+
+    def drop_graphs(self) -> None:
+        """Forget the captured launches (the next launch captures again)."""
+        with self.lock:
+            for program in self.programs.values():
+                program.drop_graph()
+
+    def _drop(self) -> None:
+        self.drop_graphs()
+        self.programs.clear()
+        self.cache.release()
+
+    def reopen(self, blocks: int, width: int) -> None:
+        """After a release: buffers again (the next request's)."""
+        with self.lock:
+            if self._released and not self.live_rows:
+                self._released = False
+                if not self.cache.num_blocks:
+                    self.cache.grow(blocks, width=width)

@@ -1,0 +1,465 @@
+"""SenseNova-U1 under load: the requests of one ``forward`` decode together.
+
+Why: vLLM-Omni refuses ``--max-num-seqs`` above 1 for SenseNova-U1 ("does not support
+request-level batching"), so a server decodes one request at a time, each token reading all of
+the understanding weights. Here the pipeline declares request batching (``declare``), and the
+think and text loops of the requests it is handed together decode as rows of one batched step
+(``batch_decode``), each request otherwise running the pipeline's own code (``turns``): its
+prefill, its loop, its denoising, its output.
+
+Three places:
+
+- ``declare(cls)``: at import of the pipeline module, in every process that loads this plugin
+  (vLLM-Omni's engine checks ``supports_request_batch`` on the class where it starts, before any
+  model exists), when ``VLLM_OMNI_GRAPHDECODE`` names ``sensenova_u1`` and
+  ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH`` is not ``off``. It also gives the class a ``forward``
+  that serves a batch one request after another, so a pipeline this plugin then does not wire
+  (a refusal, no GPU) still answers every request of a batch.
+- ``BatchWiring`` (from ``wiring.install`` when the engine runs more than one sequence): the
+  decoder, its gate (checked once per ``forward``), pre-capture, release.
+- ``forward``: each request of the batch a ``turns`` member; the loops' rows meet in
+  ``BatchDecoder.launch``. A batch of one takes the same path, so a request's answer never
+  depends on whether it arrived alone.
+
+Sampling: a text loop that samples draws from the row's own stream, seeded by the request's
+``seed`` (default 0), by position: the same request gives the same text whatever decodes beside
+it, in any process.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+
+from ... import stats, turns
+from ...batch_decode import BatchDecoder, RowSampling, choose
+from ...batch_kv import BatchKV, blocks_for, select_attention
+from ...patching import HookRefused, check_signature
+from ...reasons import Reason
+from ...token_loop import HostLogits
+from . import layouts, rules
+from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
+
+MAX_ROWS = 16
+BATCH_ATTR = "supports_request_batch"
+
+SERIAL = Reason("batch served one request at a time",
+                "see the load line for why SenseNova-U1's batched decode is not wired here")
+NOT_WIRED = Reason("batched decode not wired on this pipeline",
+                   "see the load line (python -m vllm_omni_graphdecode stats)")
+
+
+class BatchStep:
+    """The ``batch_decode.BatchStepModel`` of a SenseNova-U1 language model: ``rows`` one-token
+    sequences as one sequence of ``rows`` tokens through the model's forward, attention through
+    the batch's paged K/V (``PAGED_KWARG``). ``fusion``: the fused step's norms and rope
+    (``fused_step.Fusion`` without its GEMVs: the linear layers are the modules' own, cuBLAS at a
+    fixed row count), or None (the model's own layers)."""
+
+    def __init__(self, language_model, layout: layouts.Layout, rows: int, *, fusion=None):
+        layouts.check_model(language_model, layout)
+        patch_attention(language_model, layout)
+        if fusion is not None:
+            fusion.patch_layers(language_model)
+        self.lm = language_model
+        self.fusion = fusion
+        self.rows = rows
+        device = next(language_model.parameters()).device
+        self.input_ids = torch.zeros(1, rows, dtype=torch.long, device=device)
+        # rows: t, h, w rope indexes; decode tokens are text, so h = w = 0
+        self.indexes = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self.positions = self.indexes[0]
+
+    def load_inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        self.input_ids[0].copy_(tokens)
+        self.indexes[0].copy_(positions)
+
+    def advance(self, tokens: torch.Tensor, active: torch.Tensor) -> None:
+        self.input_ids[0].copy_(tokens)
+        self.indexes[0].add_(active)
+
+    def forward(self, cache: BatchKV) -> torch.Tensor:
+        out = self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
+                      use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)})
+        return out.logits.reshape(self.rows, -1)
+
+
+def _batch_fusion(lm, layout, device, dtype):
+    """The fused step's norms (and rope once per step on 0.24-0.28) without its Inductor GEMVs:
+    an autotuned kernel picks its reduction order by timing, so two processes could round the
+    same request differently."""
+    if not layout.fused_step or torch.device(device).type != "cuda":
+        return None
+    from .fused_step import Fusion
+
+    found = Fusion.select(lm, layout, device, dtype)
+    fusion = Fusion(found.rope_kernel, found.layer_ops, found.reasons, None)
+    return fusion if fusion.active else None
+
+
+class BatchWiring:
+    """What ``wiring.install`` attaches when the engine batches SenseNova-U1's requests."""
+
+    def __init__(self, pipeline, layout, cfg, rows: int, *, attention=None, graphs=None,
+                 writer=None):
+        self.pipeline = pipeline
+        self.lm = pipeline.language_model
+        self.layout = layout
+        self.cfg = cfg
+        self.rows = rows
+        self.k = cfg.tokens_per_launch
+        device = torch.device(pipeline.device)
+        self.device = device
+        self.attention = select_attention(device) if attention is None else attention
+        self.graphs = (device.type == "cuda" and not isinstance(self.attention, Reason)
+                       if graphs is None else graphs)
+        self.writer = writer
+        self.decoder: BatchDecoder | None = None
+        self.lock = threading.Lock()
+        self._gate_reason: Reason | None = None
+        self.dtype = next(self.lm.parameters()).dtype
+
+    # -- the decoder --------------------------------------------------------------------------
+
+    def initial_blocks(self) -> int:
+        """Pool size at first use: every row holding the largest pre-capture bucket (a think
+        request from a prompt of a few hundred tokens stays inside it), plus the scratch block."""
+        return self.rows * blocks_for(max(self.cfg.precapture_buckets)) + 1
+
+    def table_width(self) -> int:
+        return blocks_for(max(self.cfg.buckets))
+
+    def _decoder(self) -> BatchDecoder:
+        if self.decoder is None:
+            attn = layouts.attention_modules(self.lm)[0]
+            fusion = _batch_fusion(self.lm, self.layout, self.device, self.dtype)
+            step = BatchStep(self.lm, self.layout, self.rows, fusion=fusion)
+            cache = BatchKV(len(self.lm.model.layers), attn.num_kv_heads, attn.head_dim,
+                            attn.num_heads, rows=self.rows, dtype=self.dtype, device=self.device,
+                            attention=self.attention, blocks=self.initial_blocks(),
+                            writer=self.writer)
+            cache.grow(cache.num_blocks, width=self.table_width())
+            self.decoder = BatchDecoder(step, cache, name=MODEL, k=self.k, graphs=self.graphs)
+            self.fusion = fusion
+        else:
+            self.decoder.reopen(self.initial_blocks(), self.table_width())
+        return self.decoder
+
+    def refusal(self) -> Reason | None:
+        """Why this ``forward``'s loops decode eagerly, or None (checked once per forward)."""
+        if isinstance(self.attention, Reason):
+            return self.attention
+        reason = rules.gate(self.pipeline, self.lm, kernel=None)
+        if reason is None and self.decoder is not None and self.decoder.capture_failed:
+            from ...batch_decode import BATCH_CAPTURE_FAILED
+
+            reason = BATCH_CAPTURE_FAILED.because(self.decoder.capture_failed)
+        return reason
+
+    def precapture(self) -> str:
+        if not self.cfg.precapture:
+            return "batch pre-capture off"
+        reason = self.refusal()
+        if reason is not None:
+            return f"batch pre-capture skipped: {reason.key}"
+        if rules.lora_present(self.lm):
+            return "batch pre-capture skipped: dynamic LoRA wrappers present"
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                free = torch.cuda.mem_get_info()[0]
+            decoder = self._decoder()
+            seconds = decoder.precapture()
+            took = ""
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+                took = f", took {(free - torch.cuda.mem_get_info()[0]) / 2**20:.0f} MiB"
+        except Exception as exc:
+            self.release()
+            return f"batch pre-capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+        return f"batch graph pre-captured in {seconds:.2f} s{took}"
+
+    def describe(self) -> str:
+        if isinstance(self.attention, Reason):
+            return f"batched decode of up to {self.rows} requests refused: {self.attention.key}"
+        per = blocks_for(max(self.cfg.precapture_buckets)) * 16
+        attn = layouts.attention_modules(self.lm)[0]
+        slot = 2 * len(self.lm.model.layers) * attn.num_kv_heads * attn.head_dim * (
+            torch.empty((), dtype=self.dtype).element_size())
+        pool = self.initial_blocks() * 16 * slot / 2**30
+        return (f"batched decode of up to {self.rows} requests ({self.attention.name}; "
+                f"{'CUDA graphs' if self.graphs else 'no graphs'}; {self.k} tokens a launch; "
+                f"paged K/V pool {pool:.2f} GiB = {self.rows} rows x {per} tokens, grows on "
+                f"demand)")
+
+    def release(self) -> None:
+        with self.lock:
+            if self.decoder is not None:
+                self.decoder.release()
+
+
+# -- forward -----------------------------------------------------------------------------------
+
+def _sub_batch(req, request):
+    return type(req)(requests=[request])
+
+
+def _cancelled(request) -> bool:
+    """Whether the engine asked to abort ``request`` (its shared-memory cancellation flag)."""
+    name = getattr(request, "cancellation_signal", None)
+    if not name:
+        return False
+    try:
+        from multiprocessing.shared_memory import SharedMemory
+
+        signal = SharedMemory(name=name)
+    except (FileNotFoundError, OSError, ValueError):
+        return False
+    try:
+        return bool(signal.buf[0])
+    finally:
+        signal.close()
+
+
+def _error_output(exc: BaseException):
+    from vllm_omni.diffusion.data import DiffusionOutput
+
+    try:
+        from vllm_omni.diffusion.data import DiffusionRequestAbortedError
+    except ImportError:  # older releases
+        DiffusionRequestAbortedError = ()  # noqa: N806
+    if DiffusionRequestAbortedError and isinstance(exc, DiffusionRequestAbortedError):
+        return DiffusionOutput(aborted=True, abort_message=str(exc))
+    return DiffusionOutput(error=f"{type(exc).__name__}: {exc}")
+
+
+class _Member:
+    """What one request's thread needs of the caller's thread: device, stream, grad mode."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.inference = torch.is_inference_mode_enabled()
+        self.grad = torch.is_grad_enabled()
+
+    def run(self, fn):
+        def body():
+            if self.cuda:
+                torch.cuda.set_device(self.stream.device)
+                torch.cuda.set_stream(self.stream)
+            with torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad):
+                return fn()
+        return body
+
+
+_local = threading.local()
+
+
+def current_request():
+    """The request whose member runs in this thread (its seed and cancellation), or None."""
+    return getattr(_local, "request", None)
+
+
+def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason | None = None):
+    """``forward(req)`` for a ``DiffusionRequestBatch`` of any size: each request a member of one
+    ``turns`` group (``batch`` given), or one after another (``batch`` None: ``why`` counted)."""
+
+    @functools.wraps(original)
+    def forward(req, *args, **kwargs):
+        requests = list(getattr(req, "requests", None) or [])
+        if len(requests) <= 1 and batch is None:
+            return original(req, *args, **kwargs)
+        if not requests:
+            return original(req, *args, **kwargs)
+        subs = [_sub_batch(req, r) if len(requests) > 1 else req for r in requests]
+        if batch is None:
+            stats.fallback(MODEL, (why or SERIAL).because(f"{len(requests)} requests"))
+            outputs = []
+            for sub in subs:
+                try:
+                    outputs.append(original(sub, *args, **kwargs))
+                except Exception as exc:
+                    outputs.append(_error_output(exc))
+            return outputs
+        reason = batch.refusal()
+        batch._gate_reason = reason
+        if reason is not None:
+            stats.fallback(MODEL, reason)
+        member = _Member(batch.device)
+        decoder = batch._decoder() if reason is None else None
+        # LoRA wrappers switch adapters by Python branches a capture would freeze: the batch's
+        # graphs then live for this forward only (the engine batches one adapter at a time).
+        per_forward = decoder is not None and rules.lora_present(batch.lm)
+        if per_forward:
+            decoder.drop_graphs()
+            stats.count(MODEL, "batch_lora_forward")
+
+        def one(request, sub):
+            def run():
+                _local.request = request
+                try:
+                    return original(sub, *args, **kwargs)
+                finally:
+                    _local.request = None
+            return member.run(run)
+
+        rows = batch.rows
+        results: list = []
+        try:
+            for start in range(0, len(requests), rows):
+                chunk = list(zip(requests[start:start + rows], subs[start:start + rows]))
+                group = turns.Turns(decoder.launch if decoder is not None else _nothing,
+                                    name="graphdecode-sensenova")
+                results += group.run([one(r, s) for r, s in chunk])
+        finally:
+            if per_forward:
+                decoder.drop_graphs()
+        stats.count(MODEL, "batch_forward")
+        stats.count(MODEL, "batch_requests", len(requests))
+        if len(requests) == 1:
+            if isinstance(results[0], BaseException):
+                raise results[0]
+            return results[0]
+        return [_error_output(r) if isinstance(r, BaseException) else r for r in results]
+
+    forward.__graphdecode__ = True
+    return forward
+
+
+def _nothing() -> None:
+    raise turns.Stuck("a member waits for a batched launch, but this forward decodes eagerly")
+
+
+# -- serving a loop from the batch -------------------------------------------------------------
+
+class RowSession:
+    """One loop's row: ``decode`` serves its tokens, ``finish`` writes its K/V back."""
+
+    def __init__(self, batch: BatchWiring, row, think: bool):
+        self.batch = batch
+        self.row = row
+        self.think = think
+        self.thread = threading.get_ident()
+        self.request = current_request()
+        self.host = HostLogits()
+
+    def logits(self, token: int, vocab: int | None = None):
+        """Host logits whose argmax (and one draw) is ``token`` (``token_loop.ServedLogits``)."""
+        return self.host.logits(token, vocab or self.batch.decoder.vocab)
+
+    def first_draw(self, prefix_logits: torch.Tensor, t_idx) -> int:
+        """The row's draw from the prefill's last logits, at the prompt's last position, with
+        the function every launch draws with (``batch_decode.choose``)."""
+        s = self.row.sampling
+        device = prefix_logits.device
+        last = prefix_logits.reshape(-1, prefix_logits.shape[-1])[-1:]
+        token = choose(last, torch.tensor([s.temperature], device=device),
+                       torch.tensor([s.seed], device=device),
+                       torch.tensor([int(t_idx)], device=device), True)
+        return int(token[0])
+
+    def serves(self, cache) -> bool:
+        return (self.row.live and cache is self.row.cache
+                and threading.get_ident() == self.thread)
+
+    def decode(self, token: int, position: int) -> int | None:
+        if self.request is not None and _cancelled(self.request):
+            self.close()
+            try:
+                from vllm_omni.diffusion.data import DiffusionRequestAbortedError
+            except ImportError:
+                raise RuntimeError("request cancelled") from None
+            raise DiffusionRequestAbortedError("request cancelled while decoding in a batch")
+        return self.row.next(token, position)
+
+    def finish(self) -> None:
+        """The cache is read next: the decoded K/V are written back and the row left."""
+        self.batch.decoder.leave(self.row, write_back=True)
+
+    def close(self) -> None:
+        self.batch.decoder.leave(self.row, write_back=self.think)
+
+
+def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
+    """A row for this loop, or None (the loop runs eagerly; the reason is counted)."""
+    if turns.current() is None or batch._gate_reason is not None:
+        return None
+    decoder = batch.decoder
+    if decoder is None:
+        return None
+    from ...ar_session import dynamic_cache_reason
+    from ... import kernels
+
+    reason = dynamic_cache_reason(cache, kernels.REFERENCE)
+    if reason is None and cache.layers[0].keys.dtype != batch.dtype:
+        reason = rules.KV_QUANT.because(f"cache dtype {cache.layers[0].keys.dtype}")
+    if reason is not None:
+        stats.fallback(MODEL, reason)
+        return None
+    row = decoder.join(cache, sampling)
+    if row is None:
+        from ...batch_decode import NO_ROOM
+
+        stats.fallback(MODEL, NO_ROOM.because("no free row or block at join"))
+        return None
+    return RowSession(batch, row, think)
+
+
+def sampling_for(params: dict, think: bool) -> RowSampling:
+    """The row's pick: the loop's argmax, or its draw at its temperature from the request's own
+    seeded stream."""
+    temperature = params.get("temperature")
+    if think or not params.get("do_sample") or not isinstance(temperature, (int, float)):
+        return RowSampling()
+    if isinstance(temperature, bool) or temperature <= 0:
+        return RowSampling()
+    request = current_request()
+    seed = getattr(getattr(request, "sampling_params", None), "seed", None)
+    return RowSampling(float(temperature), int(seed) if seed is not None else 0)
+
+
+# -- the class-level declaration ---------------------------------------------------------------
+
+FORWARD_PARAMS = ("self", "req")
+
+
+def declare(cls) -> str:
+    """Declare request batching on the pipeline class and give it a serial batch ``forward``
+    (module docstring). Returns what was done, for the log. Idempotent."""
+    if getattr(cls.forward, "__graphdecode__", False):
+        return "already declared"
+    try:
+        original = check_signature(cls, "forward", FORWARD_PARAMS)
+    except HookRefused as exc:
+        stats.refused(MODEL, exc.reason)
+        return f"request batching not declared: {exc.reason.describe()}"
+
+    @functools.wraps(original)
+    def forward(self, req, *args, **kwargs):
+        requests = getattr(req, "requests", None) or []
+        if len(requests) <= 1:
+            return original(self, req, *args, **kwargs)
+        bound = functools.partial(original, self)
+        return wrap_forward(None, bound, why=NOT_WIRED)(req, *args, **kwargs)
+
+    forward.__graphdecode__ = True
+    cls.forward = forward
+    setattr(cls, BATCH_ATTR, True)
+    stats.count(MODEL, "batch_declared")
+    return f"{cls.__name__}: request batching declared"
+
+
+def engine_rows(runner, cfg) -> int:
+    """How many requests the engine hands one ``forward`` (its ``max_num_seqs``), capped at
+    ``MAX_ROWS``; 1 when batching is off or the engine runs one at a time."""
+    if cfg.sensenova_batch == "off":
+        return 1
+    od = getattr(runner, "od_config", None) or getattr(runner, "_graphdecode_od_config", None)
+    try:
+        n = int(getattr(od, "max_num_seqs", 1) or 1)
+    except (TypeError, ValueError):
+        n = 1
+    return max(1, min(n, MAX_ROWS))

@@ -1,0 +1,32 @@
+"""The one list of models this plugin wires: each one's key, title and hook module.
+
+Below ``config`` and ``hooks``: config takes the accepted values of ``VLLM_OMNI_GRAPHDECODE``
+from here, ``hooks`` imports a row's module on first use, ``doctor`` and the loader read the
+same rows. Adding a model is a hook package under ``hooks/`` plus one row below. The module
+is named as a string, so reading the list imports no model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    key: str  # the value in VLLM_OMNI_GRAPHDECODE and the stats prefix
+    title: str
+    module: str  # the hook, imported on first use
+    # (upstream module, hook function): when the plugin is on for this model, the loader calls
+    # ``hook.function(module, cfg)`` right after that module is imported, in every process that
+    # loads the plugin (vLLM-Omni's engine reads class attributes before any model is loaded).
+    on_import: tuple[tuple[str, str], ...] = ()
+
+
+MODELS: tuple[Model, ...] = (
+    Model("sensenova_u1", "SenseNova-U1", "vllm_omni_graphdecode.hooks.sensenova_u1",
+          on_import=(("vllm_omni.diffusion.models.sensenova_u1.pipeline_sensenova_u1",
+                      "declare_batching"),)),
+    Model("qwen_image_21", "Qwen-Image-2.1", "vllm_omni_graphdecode.hooks.qwen_image_21"),
+)
+
+MODEL_KEYS: tuple[str, ...] = tuple(m.key for m in MODELS)
