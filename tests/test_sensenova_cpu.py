@@ -307,6 +307,7 @@ def test_a_second_request_waits_for_the_decode_in_flight_then_takes_the_paged_pa
     tok = _PausingTokenizer(tiny.tok)
     pipe = st.build_pipeline(tiny.lm, tok)
     hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
+    lock = _state(pipe).sessions.lock = st.ObservedLock()
     results = {}
     first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
     tok.thread = first
@@ -318,8 +319,8 @@ def test_a_second_request_waits_for_the_decode_in_flight_then_takes_the_paged_pa
         state = _state(pipe)
         before = [t.clone() for t in state.decoder.cache.k + state.decoder.cache.v]
         second.start()
-        second.join(1.0)
-        assert second.is_alive(), "the second request did not wait for the first"
+        assert lock.waiting.wait(120), "the second request did not wait for the first"
+        assert second.is_alive()
         after = state.decoder.cache.k + state.decoder.cache.v
         assert all(torch.equal(a, b) for a, b in zip(before, after))
     finally:
@@ -528,6 +529,7 @@ def test_release_from_another_thread_waits_for_the_request_in_flight(tiny, eager
     tok = _PausingTokenizer(tiny.tok)
     pipe = st.build_pipeline(tiny.lm, tok)
     hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
+    lock = _state(pipe).sessions.lock = st.ObservedLock()
     results, released = {}, threading.Event()
     first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
     tok.thread = first
@@ -536,7 +538,8 @@ def test_release_from_another_thread_waits_for_the_request_in_flight(tiny, eager
     sleeper = threading.Thread(target=lambda: (pipe.release_captured_graphs(), released.set()))
     sleeper.start()
     try:
-        assert not released.wait(0.5), "release did not wait for the request in flight"
+        assert lock.waiting.wait(120), "release did not wait for the request in flight"
+        assert not released.is_set()
         assert _state(pipe).decoder is not None
     finally:
         tok.release.set()

@@ -321,13 +321,10 @@ def test_gpu_base_lora_base_each_match_eager(gpu, k):
         assert _state(graphed).decoder.num_graphs == 0  # dropped after the request
         runs.append(got)
     assert runs[0].text != base.text, "the adapter changed nothing: the test would prove nothing"
-    # Unbound again, the model is the base model, but its o_proj is still the LoRA wrapper, which
-    # the fused step calls as itself (cuBLAS) where the base request ran the tuned GEMV: the same
-    # math rounded another way (1 bf16 ulp of a logit seen at step 28), so this comparison takes
-    # the tolerances of one against another kernel, and needs logits (k = 1) to tell a near tie
-    # from an adapter left bound. Stale graphs are excluded above, against the eager paged path.
-    if k == 1:
-        _same_tokens_up_to_a_tie(runs[1], base, tie=TIE, logit_tol=0.25)
+    # Unbound again, the model is the base model, but its o_proj is still the LoRA wrapper. The
+    # fused step runs an inactive wrapper's base layer through the same tuned GEMV as before the
+    # wrapper existed (gemv.base_of_inactive_lora), so the request decodes exactly as the first.
+    assert runs[1].text == base.text and runs[1].t_idx == base.t_idx
     assert stats.get(MODEL, "lora_request") >= 4  # two graphed + two reference requests
 
 
@@ -403,24 +400,21 @@ def _decode_seconds(pipe, ids, steps):
 
 
 @pytest.mark.parametrize("k", [1, 8])
-def test_gpu_precapture_makes_first_request_decode_within_5pct_of_steady_state(gpu, k):
+def test_gpu_precapture_leaves_the_first_request_nothing_to_capture_or_allocate(gpu, k):
     """400 text steps from a 40-token prompt touch buckets 64..512, all pre-captured at load
-    (with k > 1: each bucket's one-token graph and its k-token program)."""
+    (with k > 1: each bucket's one-token graph and its k-token program): the first request
+    captures nothing and allocates no paged K/V. (What that buys in time is a benchmark's
+    claim: docs/performance.md, "How each default was set".)"""
     buckets = "64,128,256,512"
-    steps = 400
-    warm = _pipe(gpu, cfg=_cfg(buckets, precapture="64", k=k))
-    _decode_seconds(warm, gpu.ids, steps)  # process-wide first-use costs (kernels, cuBLAS)
-    firsts, steady = [], []
-    for _ in range(3):
-        pipe = _pipe(gpu, cfg=_cfg(buckets, precapture=buckets, k=k))
-        assert _state(pipe).decoder.num_graphs == 4 * (2 if k > 1 else 1)
-        captures = stats.get(MODEL, "capture")
-        firsts.append(_decode_seconds(pipe, gpu.ids, steps))
-        assert stats.get(MODEL, "capture") == captures, "the first request captured a graph"
-        steady += [_decode_seconds(pipe, gpu.ids, steps) for _ in range(5)]
-    first, typical = statistics.median(firsts), statistics.median(steady)
-    assert first <= 1.05 * typical, (f"first request {first * 1e3:.1f} ms vs steady "
-                                     f"{typical * 1e3:.1f} ms ({firsts=})")
+    pipe = _pipe(gpu, cfg=_cfg(buckets, precapture=buckets, k=k))
+    decoder = _state(pipe).decoder
+    assert decoder.num_graphs == 4 * (2 if k > 1 else 1)
+    captures = stats.get(MODEL, "capture")
+    tiers = [(t.cache.capacity, t.cache.generation) for t in decoder.tiers]
+    _decode_seconds(pipe, gpu.ids, 400)
+    assert stats.get(MODEL, "capture") == captures, "the first request captured a graph"
+    assert [(t.cache.capacity, t.cache.generation) for t in decoder.tiers] == tiers
+    assert stats.fallbacks(MODEL) == {}
 
 
 # ------------------------------------------------------------------ tiers, capture failure, threads
@@ -484,16 +478,17 @@ def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, 
     capturing" and took the capture down with it), then decodes on the graph path. Both equal
     their runs alone, and nothing falls back."""
     import threading
-    import time as time_mod
 
     capturing = threading.Event()
     real_forward = step_mod.Step.forward
+    lock = st.ObservedLock()
 
     def forward(self, cache):
         out = real_forward(self, cache)
         if torch.cuda.is_current_stream_capturing() and not capturing.is_set():
             capturing.set()
-            time_mod.sleep(1.0)  # hold the capture open while B starts
+            # Hold the capture open until B (its prefill run beside it) waits for the path.
+            assert lock.waiting.wait(300), "request B never reached the paged path's lock"
         return out
 
     def think(pipe, ids, steps):  # no step recorder: two threads share this pipeline's methods
@@ -507,6 +502,7 @@ def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, 
     alone_b = think(_pipe(gpu, cfg=cfg), other, 60)
     stats.reset()
     pipe = _pipe(gpu, cfg=cfg)
+    _state(pipe).sessions.lock = lock
     monkeypatch.setattr(step_mod.Step, "forward", forward)
     results, errors = {}, []
 

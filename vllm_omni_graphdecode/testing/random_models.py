@@ -612,3 +612,33 @@ def interleaved(pipe, requests, *, on_step=None, timeout: float = 300.0) -> list
     finally:
         _restore(pipe, inner)
     return [(images.get(i), outs[i]) for i in range(n)]
+
+
+class ObservedLock:
+    """A lock that says when someone blocks on it: ``waiting`` is set by the first acquire that
+    has to wait (tests synchronise on it instead of on time)."""
+
+    def __init__(self, lock=None):
+        self._lock = lock if lock is not None else threading.Lock()
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waiting.set()
+        return self._lock.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
