@@ -1,0 +1,396 @@
+"""SenseNova-U1 under load: N requests through one ``forward`` (the plugin's batched decode)
+against the release serving the same requests one at a time (issue #22).
+
+    python3 benchmarks/sensenova_batch.py --out DIR [--cases step,text,think] [--n 8]
+                                          [--think-ns 1,2,4,16] [--tiny]
+
+Everything goes through ``SenseNovaU1Pipeline.forward`` with a real ``DiffusionRequestBatch``, as
+vLLM-Omni's runner calls it, at the released shape with random weights
+(``sensenova_request.build_real_pipeline``; ``--tiny``: the tiny checkpoint, any device). One
+process, one pipeline object: the release's side first (vllm-omni 0.30: its in-tree paged decode,
+on by default; earlier releases: the eager loop), one request after another as its engine runs
+them (``--max-num-seqs`` above 1 is refused for this pipeline), then the plugin wired on the same
+object for a server started with ``--max-num-seqs ROWS`` (``ROWS`` = the largest N asked for),
+every request of a case in one ``forward``.
+
+Cases (rows of ``sensenova-batch.json``):
+
+- ``sensenova_batch_decode_step_b8`` (``step``): one decode step at context ``--context``:
+  ``eager_ms`` the plugin's batch-1 path (FA3, fused step, 8 tokens a launch; ms per token),
+  ``ours_ms`` the batched path with 8 rows decoding (ms per step of all 8); also ``_b1`` and
+  ``_b16`` (the batched path with 1 and 16 rows).
+- ``sensenova_batch_text_n{N}`` (``text``): N text answers, ``--text-prompt``-token prompts,
+  ``--text-tokens`` tokens each (end tokens can never win: their lm_head rows are zero).
+- ``sensenova_batch_think_t2i_{size}_n{N}`` (``think``): N think text-to-image requests (1,024 think
+  tokens, ``--steps`` steps, CFG ``--cfg``). ``eager_ms`` is the release's total time for the N
+  requests in turn (for N other than ``--n``: N times the median of the ``--n`` run's requests,
+  marked ``eager_from``), ``ours_ms`` the batch's wall time, ``speedup`` their ratio (throughput),
+  with p50/p99 request latencies on both sides (a request's latency: from the batch's start to
+  its own output, as a client sees it when all N arrive together).
+
+Each row also says whether every request's answer in the batch equals the same request's answer
+alone through the plugin (``request0_same_in_every_batch``: request 0 of every N), and how far
+each answer agrees with the release's (greedy answers part where the two paths round a near tie
+differently; with random weights that comes early).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import common  # noqa: E402
+import sensenova_request as sr  # noqa: E402
+
+
+def log(msg):
+    print(f"[sensenova-batch {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+def _batch(requests):
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+    return DiffusionRequestBatch(list(requests))
+
+
+def think_requests(n: int, args, start: int = 0):
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    out = []
+    for i in range(start, start + n):
+        params = OmniDiffusionSamplingParams(
+            seed=i, height=args.size, width=args.size, num_inference_steps=args.steps,
+            extra_args={"cfg_scale": float(args.cfg), "think": True})
+        # One filler word apart: the same length, another think text.
+        out.append(OmniDiffusionRequest(prompt={"prompt": f"{sr.PROMPT} w{i}"},
+                                        sampling_params=params, request_id=f"think-{i}"))
+    return out
+
+
+def text_requests(n: int, args, start: int = 0):
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    out = []
+    words = max(1, args.text_prompt - 12)  # the chat template adds ~12 tokens
+    for i in range(start, start + n):
+        prompt = " ".join(f"w{(i * 7919 + j * 104729) % 150000}" for j in range(words))
+        params = OmniDiffusionSamplingParams(
+            seed=i, extra_args={"max_tokens": args.text_tokens, "do_sample": False})
+        out.append(OmniDiffusionRequest(prompt={"prompt": prompt, "modalities": ["text"]},
+                                        sampling_params=params, request_id=f"text-{i}"))
+    return out
+
+
+def answer(out) -> dict:
+    if out.error or out.aborted or out.output is None:
+        return {"error": out.error or out.abort_message or "no output"}
+    payload = out.output["payload"]
+    if "text" in payload:
+        return {"text": payload["text"]}
+    import numpy as np
+
+    image = np.asarray(payload["image"])
+    think = (out.output.get("metadata") or {}).get("text", {}).get("think_text", "")
+    return {"image_sha256": hashlib.sha256(image.tobytes()).hexdigest(), "think_text": think,
+            "_image": image}
+
+
+def _public(a: dict) -> dict:
+    return {k: v for k, v in a.items() if not k.startswith("_")}
+
+
+def agreement(ours: dict, release: dict) -> dict:
+    """How far an answer agrees with the release's: characters of text (or think text) in
+    common before they part, and the image's PSNR."""
+    key = "text" if "text" in ours else "think_text"
+    a, b = ours.get(key) or "", release.get(key) or ""
+    common_prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    out = {"field": key, "equal": a == b, "chars_equal_before_parting": common_prefix,
+           "chars": len(b)}
+    if "_image" in ours and "_image" in release:
+        out["image_psnr_db"] = sr.psnr_db(ours["_image"], release["_image"])
+    return out
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+class Clock:
+    """Per-request end times: the pipeline's per-request entry points, timed at return."""
+
+    METHODS = ("_forward_t2i", "_forward_text", "_forward_it2i")
+
+    def __init__(self, pipe):
+        self.ends: list[float] = []
+        for name in self.METHODS:
+            inner = getattr(pipe, name)
+
+            def timed(*a, _inner=inner, **k):
+                out = _inner(*a, **k)
+                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                self.ends.append(time.perf_counter())
+                return out
+
+            setattr(pipe, name, timed)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def serve_one_by_one(pipe, clock: Clock, requests) -> dict:
+    """The release's engine: each request its own forward, in turn."""
+    answers, latencies, times = [], [], []
+    _sync()
+    start = time.perf_counter()
+    for r in requests:
+        t0 = time.perf_counter()
+        answers.append(answer(pipe.forward(_batch([r]))))
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        latencies.append((time.perf_counter() - start) * 1e3)
+    return {"ms": (time.perf_counter() - start) * 1e3, "request_ms": times,
+            "latency_ms": latencies, "answers": answers}
+
+
+def serve_together(pipe, clock: Clock, requests) -> dict:
+    clock.ends.clear()
+    _sync()
+    start = time.perf_counter()
+    outs = pipe.forward(_batch(requests))
+    _sync()
+    total = (time.perf_counter() - start) * 1e3
+    outs = outs if isinstance(outs, list) else [outs]
+    return {"ms": total, "latency_ms": sorted((t - start) * 1e3 for t in clock.ends),
+            "answers": [answer(o) for o in outs]}
+
+
+def percentiles(values: list[float]) -> dict:
+    v = sorted(values)
+    if not v:
+        return {}
+    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]}
+
+
+# -- the decode step ------------------------------------------------------------------------------
+
+def bench_step(pipe, args, rows_out: list, env: dict) -> None:
+    """ms per decode step at ``--context``: the batch-1 path against the batched path."""
+    from vllm_omni_graphdecode import kernels, turns
+    from vllm_omni_graphdecode.hooks import sensenova_u1
+    from vllm_omni_graphdecode.testing import random_models as rm
+
+    lm = pipe.language_model
+    ctx, tokens = args.context, args.step_tokens
+    kernel = kernels.select_kernel("cuda", lm.model.layers[0].self_attn.head_dim, "3")
+    single = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=(ctx, 2 * ctx),
+                                        tokens_per_launch=8)
+    prefix_logits, make_cache = rm.random_prefix(lm, ctx - 1, seed=ctx)
+
+    def one_row():
+        with torch.inference_mode():
+            single.begin(make_cache())
+            ahead = single.lookahead()
+            token = int(prefix_logits[0, -1].argmax())
+            for s in range(tokens):
+                token = ahead.next(token, ctx + s)
+            ahead.drain()
+        _sync()
+
+    one_row()  # capture
+    start = time.perf_counter()
+    one_row()
+    batch1 = (time.perf_counter() - start) * 1e3 / tokens
+    single.release()
+    log(f"step: batch-1 path {batch1:.3f} ms/token at context {ctx}")
+    decoder = getattr(pipe, sensenova_u1.STATE_ATTR).batch._decoder()
+
+    def together(n):
+        def member(i):
+            def run():
+                with torch.inference_mode():
+                    row = decoder.join(make_cache())
+                    token = int(prefix_logits[0, -1].argmax()) + i
+                    for s in range(tokens):
+                        token = row.next(token, ctx + s)
+                    decoder.leave(row, write_back=False)
+            return run
+        _sync()
+        t0 = time.perf_counter()
+        errors = [e for e in turns.Turns(decoder.launch).run([member(i) for i in range(n)])
+                  if isinstance(e, BaseException)]
+        _sync()
+        if errors:
+            raise errors[0]
+        return (time.perf_counter() - t0) * 1e3 / tokens
+
+    for n in (8, 1, 16):
+        if n > decoder.cache.rows:
+            continue
+        together(n)  # first use of these blocks
+        ms = together(n)
+        log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
+        rows_out.append(common.case(
+            f"sensenova_batch_decode_step_b{n}", batch1, ms, None,
+            eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch), ms/token",
+            ours_side=f"the batched path, {n} rows decoding ({decoder.cache.rows} in the step), "
+                      f"ms per step", context=ctx, rows=decoder.cache.rows,
+            ours_over_eager=ms / batch1, ms_per_token=ms / n))
+
+
+# -- the request cases ------------------------------------------------------------------------
+
+def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, rows: int,
+                 eager_from: str | None = None, eager_ms=None) -> dict:
+    name = (f"sensenova_batch_text_n{n}" if kind == "text"
+            else f"sensenova_batch_think_t2i_{args.size}_n{n}")
+    eager = release["ms"] if release else eager_ms
+    extra = dict(requests=n, rows=rows, ours_latency_ms=percentiles(ours["latency_ms"]),
+                 ours_answers=[_public(a) for a in ours["answers"]])
+    if release:
+        extra.update(eager_latency_ms=percentiles(release["latency_ms"]),
+                     eager_request_ms=release["request_ms"],
+                     agreement_with_release=[agreement(o, r) for o, r in
+                                             zip(ours["answers"], release["answers"])])
+    if eager_from:
+        extra["eager_from"] = eager_from
+    return common.case(name, eager, ours["ms"], None, **extra)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="step,text,think")
+    ap.add_argument("--n", type=int, default=8, help="requests of the headline cases")
+    ap.add_argument("--think-ns", default="1,2,4,16", help="further batch sizes (plugin side)")
+    ap.add_argument("--text-prompt", type=int, default=512)
+    ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cfg", type=float, default=4.0)
+    ap.add_argument("--context", type=int, default=2048, help="step case")
+    ap.add_argument("--step-tokens", type=int, default=256, help="step case: tokens timed")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9,
+                    help="start no further case after this many seconds (results so far kept)")
+    args = ap.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    ns = [int(x) for x in args.think_ns.split(",") if x]
+    rows = min(16, max([args.n] + ns))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sensenova-batch.json")
+    began = time.perf_counter()
+    env = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+           "versions": common.versions(), "device": str(device), "rows": rows,
+           "args": vars(args)}
+    if device.type == "cuda":
+        env.update(common.gpu_info())
+    results: list[dict] = []
+
+    def write():
+        with open(path, "w") as f:
+            json.dump(sr._json_safe({"environment": env, "cases": results}), f, indent=2)
+
+    from vllm_omni_graphdecode import config, stats
+    from vllm_omni_graphdecode.hooks import sensenova_u1
+
+    workdir = tempfile.mkdtemp(prefix="sensenova-batch-")
+    dtype = torch.bfloat16
+    if args.tiny:
+        pipe = sr.build_tiny_pipeline(device, dtype, 0, workdir)
+    else:
+        pipe = sr.build_real_pipeline(device, dtype, 0, workdir, sr.PROMPT)
+    log(f"pipeline built ({time.perf_counter() - began:.0f} s)")
+    clock = Clock(pipe)
+
+    def over_budget(what):
+        if time.perf_counter() - began > args.budget_s:
+            log(f"budget: {what} not run")
+            results.append({"case": what, "skipped": "time budget (--budget-s)"})
+            write()
+            return True
+        return False
+
+    # The release's side, every request alone (first: one untimed request per kind).
+    release = {}
+    for kind in ("text", "think"):
+        if kind not in cases or over_budget(f"release {kind}"):
+            continue
+        make = text_requests if kind == "text" else think_requests
+        pipe.forward(_batch(make(1, args, start=100)))  # warm-up (FA2's first call compiles)
+        release[kind] = serve_one_by_one(pipe, clock, make(args.n, args))
+        log(f"release {kind}: {args.n} requests in {release[kind]['ms']:.0f} ms")
+    # The plugin, for a server started with --max-num-seqs ROWS.
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"})
+    stats.reset()
+    summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
+        od_config=SimpleNamespace(max_num_seqs=rows)))
+    env["plugin_summary"] = summary
+    log(summary)
+    if "step" in cases and device.type == "cuda" and not over_budget("step"):
+        try:
+            bench_step(pipe, args, results, env)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            results.append({"case": "sensenova_batch_decode_step_b8", "error": repr(exc)})
+        write()
+    request0 = {}
+    for kind in ("text", "think"):
+        if kind not in cases:
+            continue
+        make = text_requests if kind == "text" else think_requests
+        pipe.forward(_batch(make(1, args, start=100)))  # warm-up: the denoising graphs' first use
+        if over_budget(f"{kind} n{args.n}"):
+            continue
+        ours = serve_together(pipe, clock, make(args.n, args))
+        log(f"plugin {kind}: {args.n} requests in one forward, {ours['ms']:.0f} ms")
+        request0.setdefault(kind, {})[args.n] = _public(ours["answers"][0])
+        results.append(request_rows(kind, args.n, release.get(kind), ours, args, rows=rows))
+        write()
+        if kind != "think":
+            continue
+        single = statistics.median(release["think"]["request_ms"]) if "think" in release else None
+        for n in ns:
+            if n == args.n or n > rows or over_budget(f"think n{n}"):
+                continue
+            ours = serve_together(pipe, clock, make(n, args))
+            log(f"plugin think: {n} requests in one forward, {ours['ms']:.0f} ms")
+            request0["think"][n] = _public(ours["answers"][0])
+            results.append(request_rows(
+                kind, n, None, ours, args, rows=rows, eager_ms=single * n if single else None,
+                eager_from=f"{n} x the median request of the release's n{args.n} run"))
+            write()
+    for kind, by_n in request0.items():
+        same = len({json.dumps(a, sort_keys=True) for a in by_n.values()}) == 1
+        env[f"{kind}_request0_same_in_every_batch"] = {"batch_sizes": sorted(by_n), "same": same}
+    env["stats"] = stats.snapshot()
+    env["seconds"] = round(time.perf_counter() - began, 1)
+    write()
+    print(json.dumps(sr._json_safe({"environment": env, "cases": results}), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``benchmarks/sensenova_batch.py`` on the tiny checkpoint, on CPU: the JSON it writes holds both
+sides of every case, their ratio, latencies within the batch's time, and the answers' agreement.
+(On CPU the plugin's batched decode is refused, "not CUDA": the numbers are the CPU's, the
+structure is the benchmark's; the H200 run is in benchmarks/results.)"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch_bench")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sensenova_batch.py"), "--out",
+           str(out), "--tiny", "--device", "cpu", "--cases", "text,think", "--n", "2",
+           "--think-ns", "1", "--steps", "2", "--size", "64", "--text-tokens", "10",
+           "--text-prompt", "30"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(out, "sensenova-batch.json")) as f:
+        return json.load(f)
+
+
+def test_every_case_compares_both_sides_in_one_file(result):
+    rows = {r["case"]: r for r in result["cases"]}
+    assert set(rows) == {"sensenova_batch_text_n2", "sensenova_batch_think_t2i_64_n2",
+                         "sensenova_batch_think_t2i_64_n1"}
+    for row in rows.values():
+        assert row["eager_ms"] > 0 and row["ours_ms"] > 0
+        assert row["speedup"] == pytest.approx(row["eager_ms"] / row["ours_ms"], rel=1e-4)
+        assert row["rows"] == 2
+        assert 0 < row["ours_latency_ms"]["p50"] <= row["ours_latency_ms"]["p99"]
+        assert row["ours_latency_ms"]["p99"] <= row["ours_ms"] * 1.0001
+    n2 = rows["sensenova_batch_think_t2i_64_n2"]
+    assert len(n2["eager_request_ms"]) == 2 and len(n2["ours_answers"]) == 2
+    assert sum(n2["eager_request_ms"]) <= n2["eager_ms"] * 1.0001
+    n1 = rows["sensenova_batch_think_t2i_64_n1"]
+    assert "median request" in n1["eager_from"]
+    assert n1["eager_ms"] == pytest.approx(statistics.median(n2["eager_request_ms"]), rel=1e-4)
+
+
+def test_answers_agree_with_the_release_and_request0_across_batches(result):
+    rows = {r["case"]: r for r in result["cases"]}
+    for name in ("sensenova_batch_text_n2", "sensenova_batch_think_t2i_64_n2"):
+        for a in rows[name]["agreement_with_release"]:
+            assert a["chars_equal_before_parting"] <= a["chars"]
+            # on CPU both sides decode eagerly (the batch is refused there): the same answers
+            assert a["equal"]
+    think = rows["sensenova_batch_think_t2i_64_n2"]["ours_answers"][0]
+    assert len(think["image_sha256"]) == 64 and think["think_text"]
+    env = result["environment"]
+    assert env["think_request0_same_in_every_batch"] == {"batch_sizes": [1, 2], "same": True}
+    assert "refused: not CUDA" in env["plugin_summary"]
+    assert env["versions"]["torch"]
