@@ -288,7 +288,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="step case")
     ap.add_argument("--step-tokens", type=int, default=256, help="step case: tokens timed")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--lm-only", action="store_true",
+                    help="step case only: the language model at the real shape on a bare "
+                         "pipeline object (no image heads: a third of the build time)")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--release-from", default=None,
+                    help="a sensenova-batch.json whose release think run gives the eager side "
+                         "(N x its median request) instead of running the release here")
     ap.add_argument("--budget-s", type=float, default=1e9,
                     help="start no further case after this many seconds (results so far kept)")
     args = ap.parse_args(argv)
@@ -299,6 +305,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "sensenova-batch.json")
     began = time.perf_counter()
+    release_single = None
     env = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
            "versions": common.versions(), "device": str(device), "rows": rows,
            "args": vars(args)}
@@ -315,12 +322,23 @@ def main(argv=None) -> int:
 
     workdir = tempfile.mkdtemp(prefix="sensenova-batch-")
     dtype = torch.bfloat16
-    if args.tiny:
+    if args.lm_only:
+        if cases != ["step"]:
+            ap.error("--lm-only runs the step case alone (--cases step)")
+        from vllm_omni_graphdecode.testing import random_models as rm
+
+        rm.setup_runtime(device.type)
+        shape = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                     intermediate=12288, vocab=151936)  # bench.SENSENOVA_SHAPE
+        lm = rm.build_lm(rm.llm_config(**shape), device=device.type, dtype=dtype, seed=0,
+                         on_device_init=True)
+        pipe = rm.build_pipeline(lm, rm.build_tokenizer(shape["vocab"]), device=device.type)
+    elif args.tiny:
         pipe = sr.build_tiny_pipeline(device, dtype, 0, workdir)
     else:
         pipe = sr.build_real_pipeline(device, dtype, 0, workdir, sr.PROMPT)
     log(f"pipeline built ({time.perf_counter() - began:.0f} s)")
-    clock = Clock(pipe)
+    clock = None if args.lm_only else Clock(pipe)
 
     def over_budget(what):
         if time.perf_counter() - began > args.budget_s:
@@ -332,8 +350,17 @@ def main(argv=None) -> int:
 
     # The release's side, every request alone (first: one untimed request per kind).
     release = {}
+    if args.release_from:
+        with open(args.release_from) as f:
+            earlier = json.load(f)
+        row = next(r for r in earlier["cases"]
+                   if r.get("case", "").startswith("sensenova_batch_think_t2i")
+                   and r.get("eager_request_ms"))
+        env["release_from"] = {"file": args.release_from, "case": row["case"],
+                               "command": earlier["environment"].get("command")}
+        release_single = statistics.median(row["eager_request_ms"])
     for kind in ("text", "think"):
-        if kind not in cases or over_budget(f"release {kind}"):
+        if args.release_from or kind not in cases or over_budget(f"release {kind}"):
             continue
         make = text_requests if kind == "text" else think_requests
         pipe.forward(_batch(make(1, args, start=100)))  # warm-up (FA2's first call compiles)
@@ -341,7 +368,8 @@ def main(argv=None) -> int:
         log(f"release {kind}: {args.n} requests in {release[kind]['ms']:.0f} ms")
     # The plugin, for a server started with --max-num-seqs ROWS.
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"})
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
+                            "off" if args.lm_only else "graph"})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
         od_config=SimpleNamespace(max_num_seqs=rows)))
@@ -367,11 +395,17 @@ def main(argv=None) -> int:
         ours = serve_together(pipe, clock, make(args.n, args))
         log(f"plugin {kind}: {args.n} requests in one forward, {ours['ms']:.0f} ms")
         request0.setdefault(kind, {})[args.n] = _public(ours["answers"][0])
-        results.append(request_rows(kind, args.n, release.get(kind), ours, args, rows=rows))
+        eager_ms = (release_single * args.n if args.release_from and kind == "think" else None)
+        results.append(request_rows(
+            kind, args.n, release.get(kind), ours, args, rows=rows, eager_ms=eager_ms,
+            eager_from=(f"{args.n} x the median request of {args.release_from}" if eager_ms
+                        else None)))
         write()
         if kind != "think":
             continue
-        single = statistics.median(release["think"]["request_ms"]) if "think" in release else None
+        single = (statistics.median(release["think"]["request_ms"]) if "think" in release
+                  else release_single if args.release_from else None)
+        where = f"the release's n{args.n} run" if "think" in release else args.release_from
         for n in ns:
             if n == args.n or n > rows or over_budget(f"think n{n}"):
                 continue
@@ -380,7 +414,7 @@ def main(argv=None) -> int:
             request0["think"][n] = _public(ours["answers"][0])
             results.append(request_rows(
                 kind, n, None, ours, args, rows=rows, eager_ms=single * n if single else None,
-                eager_from=f"{n} x the median request of the release's n{args.n} run"))
+                eager_from=f"{n} x the median request of {where}"))
             write()
     for kind, by_n in request0.items():
         same = len({json.dumps(a, sort_keys=True) for a in by_n.values()}) == 1

@@ -428,6 +428,7 @@ class BatchDecoder:
         stats.count(self.name, "batch_launch")
         stats.count(self.name, "batch_rows", len(waiting))
 
+    @torch.inference_mode()
     def precapture(self) -> float:
         """Capture the greedy program now (model load): idle rows only, so nothing of any
         request is touched. Returns seconds."""

@@ -306,7 +306,9 @@ class BatchKV:
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         if self.writer is not None:
-            self.writer(k, v, self.k[layer_idx], self.v[layer_idx], self.slot)
+            # vLLM's writer reads each token's heads as one contiguous run.
+            self.writer(k.contiguous(), v.contiguous(), self.k[layer_idx], self.v[layer_idx],
+                        self.slot)
         else:
             _flat(self.k[layer_idx]).index_copy_(0, self.slot, k)
             _flat(self.v[layer_idx]).index_copy_(0, self.slot, v)
