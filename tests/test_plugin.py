@@ -221,7 +221,24 @@ def test_two_refusals_with_different_details_count_under_one_stable_key(monkeypa
 
 
 def test_registry_is_the_one_list_config_and_doctor_read():
+    """One list (``models.MODELS``): config and the hooks package read the same objects, and
+    config imports nothing from the hooks above it."""
+    import ast
+    import inspect
+
+    from vllm_omni_graphdecode import models
+
+    assert config.MODEL_KEYS is models.MODEL_KEYS and hooks.MODELS is models.MODELS
+    assert hooks.MODEL_KEYS is models.MODEL_KEYS
     assert set(config.MODEL_KEYS) == {m.key for m in hooks.MODELS}
     for model in hooks.MODELS:
         assert hooks.load(model.key).MODEL == model.key
         assert model.key in config.parse({"VLLM_OMNI_GRAPHDECODE": "all"}).models
+    imported = set()
+    for node in ast.walk(ast.parse(inspect.getsource(config))):
+        if isinstance(node, ast.ImportFrom):  # "from .hooks import X" or "from . import hooks"
+            imported.add(node.module or "")
+            imported.update(a.name for a in node.names if node.module is None)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not any("hooks" in name.split(".") for name in imported), imported

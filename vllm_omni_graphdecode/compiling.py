@@ -1,12 +1,23 @@
 """torch.compile pieces shared by the fast step bodies (Qwen-Image-2.1's cached step,
 SenseNova-U1's denoising step): whether Inductor can build for a device, the backend object that
-counts what it compiles, the error a failed compile becomes, and a stride fix Dynamo needs."""
+counts what it compiles, the error a failed compile becomes, a stride fix Dynamo needs, and
+``Regions``: a body's plain functions and their compiled versions, made once per process.
+
+A fast body is plain functions of tensors (weights are arguments, so nothing per module is
+guarded), called around an uncompiled attention kernel::
+
+    REGIONS = Regions(pre_attention, post_attention)            # module level, once
+    pre, post = REGIONS.select(device, compile=True, emulate_precision_casts=True)
+    q, k, v = pre(...)      # a compile or recompile that fails raises CompileFailed
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -95,3 +106,37 @@ def call_compiled(fn, errors: tuple[type, ...], *args):
         return fn(*args)
     except errors as exc:
         raise CompileFailed(COMPILE_FAILED.because(repr(exc)[:500])) from exc
+
+
+class Regions:
+    """A fast body's regions: its plain functions (``plain``) and, per Inductor option set, their
+    compiled versions (fullgraph, static shapes) sharing one counting backend, made on first use
+    and kept for the process (Dynamo guards on the backend object, so every caller with the same
+    options shares the compiled code)."""
+
+    def __init__(self, *fns: Callable):
+        self.plain = fns
+        self._made: dict[tuple, tuple[Inductor, tuple[Callable, ...]]] = {}
+
+    def select(self, device, *, compile: bool, **options) -> tuple[Callable, ...]:
+        """The functions a body calls on ``device``: the compiled ones, each turning a failed
+        compile or recompile into ``CompileFailed``, or with ``compile=False`` the plain ones.
+        Raises ``CompileFailed`` when ``compile_supported(device)`` says no."""
+        if not compile:
+            return self.plain
+        found = compile_supported(device)
+        if found is not None:
+            raise CompileFailed(found)
+        key = tuple(sorted(options.items()))
+        if key not in self._made:
+            backend = Inductor(options)
+            self._made[key] = (backend, tuple(
+                torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+                for fn in self.plain))
+        errors = dynamo_errors()
+        return tuple(functools.partial(call_compiled, fn, errors) for fn in self._made[key][1])
+
+    def compiled_graphs(self) -> int:
+        """Graphs Inductor compiled for these regions in this process (first compiles and
+        recompiles)."""
+        return sum(backend.graphs for backend, _ in self._made.values())

@@ -22,6 +22,11 @@ capture routine with recovery, one verify comparison.
 4. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
    ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
 
+All of it under ``CAPTURE_LOCK``, the one capture lock of the process: the warm-up stream, the
+pool, the generator's state and a failed capture's repair are process-wide, so two captures (a
+decode graph and a denoising graph in two threads) must never overlap, and a repair must never
+swap the pool under another capture. Replays take no lock.
+
 The memory pool:
 
 One pool, vLLM's global one (``current_platform.get_global_graph_pool()``): replays are serialized
@@ -48,6 +53,10 @@ import torch
 WARMUPS = 2
 
 _lock = threading.Lock()
+# Held by ``capture`` from the first warm-up to the end of the recording (or its repair).
+# Reentrant: a capture's warm-up may compile, and a compiled body never captures, but a hook that
+# captures a graph from inside another's warm-up (none does) would then not deadlock.
+CAPTURE_LOCK = threading.RLock()
 _pools: dict[int, object] = {}  # device index -> the pool captures go to now
 _anchors: list[tuple] = []
 
@@ -174,6 +183,11 @@ def capture(fn: Callable[[], torch.Tensor], device: torch.device | None = None, 
     synchronize with the host and must not branch in Python on tensor values. Raises
     ``CaptureFailed``.
     """
+    with CAPTURE_LOCK:
+        return _capture(fn, device, pool, warmups)
+
+
+def _capture(fn, device, pool, warmups) -> Captured:
     current = graph = rng = None
     try:
         device = torch.device("cuda", _index(device))
@@ -206,6 +220,20 @@ def capture(fn: Callable[[], torch.Tensor], device: torch.device | None = None, 
 def _restore_rng(state, device) -> None:
     if state is not None:
         torch.cuda.set_rng_state(state, device)
+
+
+# Verify mode, for both runners (``paged_decode``, ``prefix_graph``): a new graph's first replay
+# is compared with the eager step; a difference beyond this fraction of the eager output's largest
+# magnitude (at least 1) disables the graph. Graph and eager run the same kernels, so honest
+# differences are rounding: cuBLAS may pick another algorithm under capture, and a decode logit
+# sums thousands of such products (the H200 measured up to 6 bf16 ulps, 3.2% of the largest
+# magnitude, between a Qwen-Image-2.1 static step outside a capture and its replay:
+# tests/test_qwen_image_21_gpu.py). A stale address or a Python value baked into the capture is
+# off by O(1).
+VERIFY_RTOL = 0.05
+# The stats counters verify mode adds under the model's key, in both runners.
+VERIFIED = "verified"  # a first replay within VERIFY_RTOL (logged at INFO when not bit-equal)
+VERIFY_MISMATCH = "verify_mismatch"  # one beyond it: that graph is disabled
 
 
 @dataclasses.dataclass(frozen=True)

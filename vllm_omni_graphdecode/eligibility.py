@@ -5,15 +5,18 @@ between calls without changing a tensor's shape is invisible to it: a hook (runs
 capture, never at replay), offload (moves weights between calls: the graph would read storage
 that moved), a dynamic LoRA wrapper (switches adapters by Python branches the capture froze),
 torch.compile (Dynamo would trace our step), sharded parameters. ``scan`` walks a module tree once
-and reports the first of each; each hook turns what it cares about into its own ``Reason``.
+and reports the first of each; each hook turns what it cares about into a ``Reason`` (the shared
+ones of ``reasons``, with the place in the detail).
 
-``fingerprint`` is the cheap per-step version: a tuple that changes whenever a module is added,
-replaced, hooked, unhooked or compiled, so a hook can notice a change in the middle of a request
-without rescanning (the Qwen-Image-2.1 hook compares it at every cached step).
+``scan`` is a walk: a hook runs it when a request binds, never per step. ``Watch`` is what a step
+checks instead, in constant time: it notices the structure changes that happen through a module's
+own tables (a child module replaced, a parameter replaced, a torch forward hook added) between two
+scans.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
@@ -135,20 +138,128 @@ def scan(root: torch.nn.Module, label: str | None = None) -> Structure:
     return found
 
 
-def fingerprint(root: torch.nn.Module) -> tuple:
-    """A cheap summary of ``root``'s structure that changes when a module is added, replaced,
-    hooked, unhooked, offloaded or compiled (not when weights change in place: a graph reads
-    weights through their addresses, so new values are fine)."""
-    parts = []
-    for module in root.modules():
-        d = module.__dict__
-        registry = d.get("_diffusers_hook")
-        omni = d.get("_hook_registry")
-        parts.append((id(module), id(d.get("forward")), id(d.get("_hf_hook")),
-                      len(getattr(registry, "hooks", None) or ()),
-                      len(getattr(omni, "_hooks", None) or ()),
-                      len(module._forward_hooks) + len(module._forward_pre_hooks),
-                      d.get("_compiled_call_impl") is not None))
-    parts.append((len(torch.nn.modules.module._global_forward_hooks),
-                  len(torch.nn.modules.module._global_forward_pre_hooks)))
-    return tuple(parts)
+class _Stamp:
+    """A version number that the watched tables of a module tree bump on every change."""
+
+    def __init__(self):
+        self.version = 0
+
+
+def _observing(base: type) -> type:
+    class Observed(base):
+        """A module's own table (children, parameters, buffers or forward hooks), unchanged but
+        for bumping its watchers' stamps when an entry is set or removed."""
+
+        stamps: list | tuple = ()  # the instance's own list once armed (not while it is filled)
+
+        def _bump(self):
+            for stamp in self.stamps:
+                stamp.version += 1
+
+        def __setitem__(self, key, value):
+            self._bump()
+            base.__setitem__(self, key, value)
+
+        def __delitem__(self, key):
+            self._bump()
+            base.__delitem__(self, key)
+
+        def pop(self, *args):
+            self._bump()
+            return base.pop(self, *args)
+
+        def popitem(self, *args):
+            self._bump()
+            return base.popitem(self, *args)
+
+        def clear(self):
+            self._bump()
+            base.clear(self)
+
+        def update(self, *args, **kwargs):
+            self._bump()
+            base.update(self, *args, **kwargs)
+
+        def setdefault(self, *args):
+            self._bump()
+            return base.setdefault(self, *args)
+
+    Observed.__name__ = Observed.__qualname__ = f"Observed{base.__name__}"
+    return Observed
+
+
+_OBSERVED = {dict: _observing(dict), collections.OrderedDict: _observing(collections.OrderedDict)}
+# Module.__setattr__ / __delattr__ / register_* write children, parameters and buffers into these;
+# register_forward_(pre_)hook and RemovableHandle.remove write the hook tables.
+_WATCHED = ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks")
+
+
+class Watch:
+    """Whether a module tree's structure changed since ``settle()``, in constant time per check.
+
+    ``arm()`` walks the tree once and gives each module's children, parameters, buffers and
+    forward-hook tables an observing copy (same type, same entries; a module already armed is
+    skipped), then settles. ``changed()`` compares a version number and the global hook counts.
+
+    Seen at once: a child module added, replaced or removed (peft's and vLLM's LoRA wrappers), a
+    parameter or buffer replaced (accelerate moving weights, ``.to()``), a torch forward (pre-)hook
+    added or removed anywhere in the tree, a global forward hook. Not seen until the next ``scan``
+    (the next bind): an attribute set on a module instance, such as a ``forward`` replaced by
+    accelerate's or diffusers' hook registries, or ``module.compile()``; in vLLM-Omni those are
+    applied at load, or between requests.
+
+    ``disarm()`` puts every module's own tables back, with what they hold now. A hook table that
+    gained a hook while armed keeps its observing copy (the hook's handle removes it from there);
+    it only stops counting for this watch.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        self.root = root
+        self._stamp = _Stamp()
+        self._armed: list[tuple[dict, str, dict]] = []  # (module.__dict__, name, own table)
+        self.settle()
+
+    def arm(self) -> None:
+        for module in self.root.modules():
+            d = module.__dict__
+            for name in _WATCHED:
+                table = d.get(name)
+                stamps = getattr(table, "stamps", None)
+                if stamps is not None:
+                    if self._stamp not in stamps:
+                        stamps.append(self._stamp)
+                    continue
+                observed = _OBSERVED.get(type(table))
+                if observed is None:  # not the table torch made: leave it alone
+                    continue
+                copy = observed(table)
+                copy.stamps = [self._stamp]
+                d[name] = copy
+                self._armed.append((d, name, table))
+        self.settle()
+
+    def settle(self) -> None:
+        """Take the current structure as the known one."""
+        self._seen = self._now()
+
+    def changed(self) -> bool:
+        return self._now() != self._seen
+
+    def _now(self) -> tuple:
+        return (self._stamp.version, len(torch.nn.modules.module._global_forward_hooks),
+                len(torch.nn.modules.module._global_forward_pre_hooks))
+
+    def disarm(self) -> None:
+        for d, name, table in reversed(self._armed):
+            current = d.get(name)
+            stamps = getattr(current, "stamps", None)
+            if stamps is None:
+                continue  # replaced since by someone else: theirs stays
+            if self._stamp in stamps:
+                stamps.remove(self._stamp)
+            if name.endswith("hooks") and len(current) > len(table):
+                continue  # a handle made while armed points at the copy
+            table.clear()
+            table.update(current)
+            d[name] = table
+        self._armed.clear()

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .reasons import Reason
+from .reasons import NOT_CUDA, Reason
 
 Tensor = torch.Tensor
 
@@ -41,7 +41,6 @@ PAGED_KWARGS = ("max_seqlen_q", "cu_seqlens_q", "max_seqlen_k", "seqused_k", "bl
                 "softmax_scale", "causal")
 MAX_HEAD_DIM = 256
 
-NOT_CUDA = Reason("not CUDA", "run on a CUDA GPU")
 BAD_HEAD_DIM = Reason("head_dim not a multiple of 8 or > 256",
                       "nothing to change: FlashAttention's paged kernel does not take this head size")
 IMPORT_FAILED = Reason("paged-attention kernel import failed",

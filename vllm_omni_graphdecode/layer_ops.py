@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import NOT_CUDA
-from .reasons import Reason
+from .reasons import NOT_CUDA, Reason
 
 # Why the decode step runs the model's own (unfused) norms and activation. Not a fallback to
 # eager: the step is still paged and graphed, it just launches more small kernels.

@@ -42,11 +42,6 @@ from . import cuda_graphs, stats
 logger = stats.logger
 
 BLOCK_SIZE = 16
-# verify: a graph whose first replay differs from the eager step by more than this fraction of the
-# largest eager logit is disabled. Graph and eager run the same kernels, so honest differences are
-# rounding (cuBLAS may pick another algorithm under capture, and a logit sums thousands of such
-# products); a stale address or a Python value baked into the capture is off by O(1).
-VERIFY_RTOL = 0.05
 
 
 def tail_step(buckets: Sequence[int]) -> int:
@@ -386,16 +381,16 @@ class DecodeGraphRunner:
         torch.cuda.set_rng_state(rng, self.cache.device)
         # Eager second: it rewrites this step's K/V slot, so a faulty graph leaves nothing behind.
         eager = self.forward()
-        result = cuda_graphs.compare(replayed, eager, VERIFY_RTOL)
+        result = cuda_graphs.compare(replayed, eager, cuda_graphs.VERIFY_RTOL)
         if not result.ok:
             self._graphs.pop(key, None)
             self._disabled.add(key)
             self.eager_after_mismatch = True
-            stats.count(self.model, "verify_mismatch")
+            stats.count(self.model, cuda_graphs.VERIFY_MISMATCH)
             logger.warning("graphdecode: %s decode graph for bucket %d differs from the eager step "
                            "(max |diff| %.4g > %.4g): graph disabled, this request continues "
                            "eagerly", self.model, key[0], result.max_abs_diff, result.limit)
             return eager
         entry.verified = True
-        stats.count(self.model, "verified")
+        stats.count(self.model, cuda_graphs.VERIFIED)
         return eager

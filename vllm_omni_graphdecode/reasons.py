@@ -11,6 +11,10 @@ A gate (an eligibility check) returns the first ``Reason`` that applies, or None
     NOT_CUDA = Reason("not CUDA", "run on a CUDA GPU")
     ...
     return NOT_CUDA.because(f"device is {device}")
+
+A meaning that more than one hook or mechanism can meet (not CUDA, out of memory, a failed
+capture, LoRA, offload, ...) has one shared ``Reason`` below, which every one of them imports:
+the same fallback counts under the same key for every model.
 """
 
 from __future__ import annotations
@@ -39,3 +43,50 @@ class Reason:
 
     def __str__(self) -> str:
         return self.key
+
+
+# -- reasons every hook and mechanism shares ---------------------------------------------------
+# One key per meaning, so a fallback counted for one model sums with the same fallback of another
+# (stats keys are "<model>: <reason key>"). A hook names its own case with ``.because(...)``; a
+# reason only one hook can have stays in that hook's ``rules``.
+
+NOT_CUDA = Reason("not CUDA", "run it on a CUDA GPU")
+AUTOGRAD = Reason("autograd is enabled",
+                  "call the pipeline under torch.no_grad() or torch.inference_mode() (diffusers "
+                  "pipelines and vllm-omni do)")
+OOM = Reason("out of device memory for graph buffers or a capture",
+             "free device memory (lower gpu_memory_utilization), or lower what the detail names: "
+             "VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (prefix entries) or _BUCKETS / "
+             "_PRECAPTURE_BUCKETS (paged K/V)")
+CAPTURE_FAILED = Reason("CUDA graph capture failed",
+                        "report it with the logged error; the shape runs eagerly for this process "
+                        "(sleep level 2, release_captured_graphs, lets it capture again)")
+RELEASED = Reason("graphs released (sleep) during this request",
+                  "nothing to change: the request goes on eagerly; the next one captures again")
+PARALLEL = Reason("parallel execution (tensor, sequence, ring or CFG parallel, or sharded weights)",
+                  "serve one replica per GPU for graph steps: tensor, sequence and CFG parallel "
+                  "size 1, no HSDP/FSDP sharding (the detail names what is set)")
+LORA = Reason("dynamic LoRA wrappers in the model (peft / vLLM LoRA layers)",
+              "merge the LoRA into the weights (diffusers: fuse_lora, then unload_lora_weights; "
+              "vllm-omni's SenseNova-U1 load_lora_weights merges) or serve without it")
+QUANT_KV = Reason("quantized K/V cache: the cache does not hold plain tensors in the model's dtype",
+                  "keep the K/V cache unquantized (unset diffusion_kv_cache_dtype)")
+OFFLOAD = Reason("offload on the model (CPU, layerwise, sequential or group offload)",
+                 "disable offload (--enable-cpu-offload, --enable-layerwise-offload, accelerate "
+                 "or diffusers offload hooks): offload moves weights between steps")
+HOOKS = Reason("forward hooks on the model (accelerate, diffusers, vllm-omni, torch)",
+               "remove forward hooks from the model (cache backends, profilers): a hook runs once "
+               "during capture and never at replay")
+COMPILED = Reason("torch.compile'd model or blocks",
+                  "serve without compiling the model (--enforce-eager, or "
+                  "diffusion_compile_granularity=regional for SenseNova-U1); Qwen-Image-2.1's "
+                  "fast mode compiles its own step and accepts regionally compiled blocks")
+STRUCTURE = Reason("the model's layers differ from what the fast step body restates",
+                   "use the exact mode (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact, "
+                   "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph); the detail names the layer")
+FAST_NOT_HERE = Reason("fast step not applicable; the exact step runs instead",
+                       "see the detail; the exact mode (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact, "
+                       "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph) silences this")
+ARGUMENTS = Reason("called with arguments this hook does not know",
+                   "report it with the vllm-omni and diffusers versions (python -m "
+                   "vllm_omni_graphdecode doctor); the call runs the model's own code")
