@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from qwen_tiny import cached_reference, extract, request, tiny_transformer
 
-from vllm_omni_graphdecode import kernels
+from vllm_omni_graphdecode import compiling, kernels
 from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step as fs
+from vllm_omni_graphdecode.testing import qwen_fast as qf
 from vllm_omni_graphdecode.reasons import Reason
 
 LAYOUTS = [(5, ()), (11, ()), (6, ((2, 4),)), (5, ((4, 4), (2, 2)))]  # text tokens, references
@@ -71,7 +72,7 @@ def test_fast_body_equals_diffusers_cached_blocks_bit_for_bit(dtype, batch, text
     target = seen[0]["hidden"].shape[1]
     assert fs.mask_all_target(seen[0]["mask"])  # the precondition the body relies on
     fast = fs.FastBlocks(model, kernels.SdpaAttention())
-    bufs = fs.KVBuffers.from_prefix(prefix_of(cache, n), target)
+    bufs = qf.kv_buffers(prefix_of(cache, n), target)
     fast.prepare(bufs)
     with torch.no_grad():
         for i, s in enumerate(seen):
@@ -83,7 +84,7 @@ def test_fast_body_equals_diffusers_cached_blocks_bit_for_bit(dtype, batch, text
 
 def test_fused_qkv_matches_within_float32_rounding():
     model, _, cache, seen = setup(torch.float32, 1, 7, ((2, 4),))
-    bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 2), seen[0]["hidden"].shape[1])
+    bufs = qf.kv_buffers(prefix_of(cache, 2), seen[0]["hidden"].shape[1])
     with torch.no_grad():
         got = fs.FastBlocks(model, kernels.SdpaAttention(), fuse_qkv=True)(
             seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
@@ -114,7 +115,7 @@ def test_attention_over_kv_buffer_equals_attention_over_cat(batch):
     gen = torch.Generator().manual_seed(0)
     prefix_k, prefix_v = (torch.randn(batch, 9, 2, 16, generator=gen) for _ in range(2))
     q, k, v = (torch.randn(batch, 12, 2, 16, generator=gen) for _ in range(3))
-    bufs = fs.KVBuffers.from_prefix([(prefix_k, prefix_v)], target_len=12)
+    bufs = qf.kv_buffers([(prefix_k, prefix_v)], target_len=12)
     bufs.tails[0][0].copy_(k)
     bufs.tails[0][1].copy_(v)
     cat_k, cat_v = torch.cat([prefix_k, k], dim=1), torch.cat([prefix_v, v], dim=1)
@@ -128,9 +129,9 @@ def test_attention_over_kv_buffer_equals_attention_over_cat(batch):
 def test_tail_written_in_place_and_prefix_untouched_across_steps():
     model, _, cache, seen = setup(torch.float32, 1, 6, ((2, 4),))
     prefix = [(k.clone(), v.clone()) for k, v in prefix_of(cache, 2)]
-    bufs = fs.KVBuffers.from_prefix(prefix, seen[0]["hidden"].shape[1])
+    bufs = qf.kv_buffers(prefix, seen[0]["hidden"].shape[1])
     ptrs = [(k.data_ptr(), v.data_ptr()) for k, v in zip(bufs.k, bufs.v)]
-    views = bufs.prefix_views()
+    views = bufs.prefix
     fast = fs.FastBlocks(model, kernels.SdpaAttention())
     tails = []
     with torch.no_grad():
@@ -140,17 +141,17 @@ def test_tail_written_in_place_and_prefix_untouched_across_steps():
             tails.append([t.clone() for t in bufs.tails[0]])
     assert [(k.data_ptr(), v.data_ptr()) for k, v in zip(bufs.k, bufs.v)] == ptrs
     assert not torch.equal(tails[0][0], tails[1][0])  # the second step wrote its own target K
-    for (pk, pv), (k, v), (vk, vv) in zip(prefix, bufs.prefix_views(), views):
+    for (pk, pv), (k, v), (vk, vv) in zip(prefix, bufs.prefix, views):
         assert torch.equal(k, pk) and torch.equal(v, pv)
         assert k is vk and v is vv  # the same view objects: a cache pointed at them stays valid
 
 
-def test_cache_repointed_at_prefix_views_gives_diffusers_the_same_step():
+def test_cache_repointed_at_the_prefix_views_gives_diffusers_the_same_step():
     model, kwargs, cache, _ = setup(torch.float32, 2, 6, ((2, 4),))
     with torch.no_grad():
         expected = cached_reference(model, kwargs, cache)
-        bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 2), 16)
-        for i, (k, v) in enumerate(bufs.prefix_views()):
+        bufs = qf.kv_buffers(prefix_of(cache, 2), 16)
+        for i, (k, v) in enumerate(bufs.prefix):
             cache.get_layer(i).store(k, v)
         bufs.tails[0][0].normal_()  # a fast step's target K must not leak into an eager step
         assert torch.equal(cached_reference(model, kwargs, cache), expected)
@@ -228,7 +229,7 @@ def test_flash_wrapper_packs_batches_as_sdpa_sees_them(batch, kv_heads):
 # -- compiled regions ---------------------------------------------------------------------------
 
 def test_compile_unsupported_raises_compile_failed_with_reason(monkeypatch):
-    monkeypatch.setattr(fs, "compile_supported",
+    monkeypatch.setattr(compiling, "compile_supported",  # what every fast body asks
                         lambda device: fs.NO_TRITON.because("torch x"))
     with pytest.raises(fs.CompileFailed) as err:
         fs.FastBlocks(tiny_transformer(), kernels.SdpaAttention(), compile=True)
@@ -242,7 +243,7 @@ def test_compile_supported_on_this_cpu():
 
 # Tolerances of the compiled body against diffusers' blocks, measured on this CPU: fp32 5.7e-6 max
 # abs on values up to 24 (Inductor sums the norms in another order); bf16 bit-exact with emulated
-# casts (0.625 without them). bf16 allows the verify tolerance of prefix_graph (1.6e-2 relative).
+# casts (0.625 without them). bf16 allows 1.6e-2 relative (about 4 bf16 ulps).
 COMPILED_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
@@ -259,7 +260,7 @@ def test_compiled_body_on_cpu_close_and_no_recompile_across_prefix_lengths(dtype
         cache = extract(model, kwargs)
         with torch.no_grad():
             seen = record_cached_blocks(model, kwargs, cache)
-            bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 2), 24)
+            bufs = qf.kv_buffers(prefix_of(cache, 2), 24)
             got = fast(seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
         tol = COMPILED_TOL[dtype]
         torch.testing.assert_close(got, seen[-1]["out"], rtol=tol, atol=tol)
@@ -273,14 +274,14 @@ def test_compile_error_becomes_compile_failed(monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("inductor exploded")
 
-    monkeypatch.setattr(fs._Inductor, "__call__", broken)
+    monkeypatch.setattr(compiling.Inductor, "__call__", broken)
     model = tiny_transformer()
     fast = fs.FastBlocks(model, kernels.SdpaAttention(), compile=True, emulate_casts=False)
     kwargs = request(model, text_tokens=4, target_shape=(2, 6))  # a shape no other test compiles
     cache = extract(model, kwargs)
     with torch.no_grad():
         seen = record_cached_blocks(model, kwargs, cache)
-        bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 2), 12)
+        bufs = qf.kv_buffers(prefix_of(cache, 2), 12)
         with pytest.raises(fs.CompileFailed) as err:
             fast(seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
     assert fs.COMPILE_FAILED.same(err.value.reason)
@@ -317,7 +318,7 @@ def test_gpu_compiled_fa3_body_no_further_from_fp32_than_diffusers_bf16():
     if torch.cuda.get_device_capability()[0] == 9:
         assert isinstance(attention, kernels.FlashAttention) and attention.fa_version == 3, attention.skipped
     fast = fs.FastBlocks(model, attention, compile=True)
-    bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 3), seen[0]["hidden"].shape[1])
+    bufs = qf.kv_buffers(prefix_of(cache, 3), seen[0]["hidden"].shape[1])
     fast.prepare(bufs)
     with torch.no_grad():
         got = fast(seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
@@ -339,7 +340,7 @@ def test_gpu_no_recompile_over_20_prompt_lengths_and_graph_replay_matches():
         cache = extract(model, kwargs)
         with torch.no_grad():
             seen = record_cached_blocks(model, kwargs, cache)
-            bufs = fs.KVBuffers.from_prefix(prefix_of(cache, 3), 64)
+            bufs = qf.kv_buffers(prefix_of(cache, 3), 64)
             fast.prepare(bufs)
             eager = fast(seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
         warm = fs.compiled_graphs() if warm is None else warm

@@ -80,7 +80,7 @@ def test_graph_replay_equals_the_eager_static_step(batch, reference_shapes):
     assert stats.get(MODEL, "capture") == 1 and stats.get(MODEL, "replay") == 3
     # verify checked the first replay against diffusers' forward and kept the graph (exact or not is
     # asserted by the next test)
-    assert stats.get(MODEL, "verify_exact") + stats.get(MODEL, "verify_close") == 1
+    assert stats.get(MODEL, cuda_graphs.VERIFIED) == 1
     assert stats.fallbacks(MODEL) == {}
 
 
@@ -293,7 +293,7 @@ def test_fast_step_is_close_to_diffusers_and_its_replay_equals_its_eager_run(ref
     for step, (g, e, want) in enumerate(zip(graph, eager, expected), start=1):
         _close_to(g, want, f"step {step}, graph vs diffusers")
         _close_to(g, e, f"step {step}, graph vs the fast step run eagerly")
-    assert stats.get(MODEL, "verify_exact") + stats.get(MODEL, "verify_close") == 1
+    assert stats.get(MODEL, cuda_graphs.VERIFIED) == 1
     assert stats.fallbacks(MODEL) == {} and stats.get(MODEL, "replay") == 3
     found = kernels.select_dense_attention("cuda", 64, torch.bfloat16)
     if torch.cuda.get_device_capability()[0] == 9:

@@ -4,12 +4,13 @@ pooling, LRU, and the fallbacks that need no GPU to reach."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
+from vllm_omni_graphdecode import cuda_graphs, stats
 from vllm_omni_graphdecode import prefix_graph as pg
-from vllm_omni_graphdecode import stats
 
 MODEL = "prefix_graph_test"
 
@@ -133,16 +134,19 @@ def test_verify_mismatch_disables_the_shape_and_returns_the_eager_result():
     eager = expected(*ia)
     assert g._verify(entry, eager + 1.0, eager) is eager
     assert pg.VERIFY_MISMATCH.key in reasons()
+    assert stats.get(MODEL, cuda_graphs.VERIFY_MISMATCH) == 1
     assert g.run(entry, ia[2]) is None  # the shape now runs eagerly for this process
 
 
-def test_verify_counts_exact_and_close_replays():
+def test_verify_counts_exact_and_close_replays_under_the_shared_counter():
+    """Both graph runners (this and paged_decode) count under cuda_graphs.VERIFIED."""
     g = graphs(verify=True)
     entry = g.bind(Owner(), key(), *inputs(1))
     ref = torch.ones(4, dtype=torch.bfloat16)
     g._verify(entry, ref.clone(), ref)
     g._verify(entry, ref + torch.tensor([0.0078125, 0, 0, 0], dtype=torch.bfloat16), ref)  # one ulp
-    assert stats.get(MODEL, "verify_exact") == 1 and stats.get(MODEL, "verify_close") == 1
+    assert stats.get(MODEL, cuda_graphs.VERIFIED) == 2
+    assert stats.get(MODEL, cuda_graphs.VERIFY_MISMATCH) == 0 and stats.fallbacks(MODEL) == {}
 
 
 def test_max_entries_must_be_positive():
@@ -182,3 +186,47 @@ def test_oom_with_nothing_to_give_back_makes_the_shape_eager(monkeypatch):
     monkeypatch.undo()
     assert g.bind(Owner(), key(), *inputs(2)) is None  # eager for the rest of the process
     assert g.info()["eager_keys"] == 1 and pg.OOM.key in reasons()
+
+
+def test_a_step_holds_no_lock_another_request_binds_while_it_runs():
+    """Replays take no lock: while thread A is inside its step, thread B binds its own entry
+    (which takes the pool's bookkeeping lock). Synchronised by events; the waits' limits only
+    turn a deadlock into a failure."""
+    in_step, bound = threading.Event(), threading.Event()
+
+    def blocking_step(bufs):
+        if not in_step.is_set():
+            in_step.set()
+            assert bound.wait(60), "B could not bind while A's step ran"
+        return sum_step(bufs)
+
+    g = pg.PrefixGraphs(MODEL, blocking_step, capture=False, max_entries=4)
+    a, b = Owner(), Owner()
+    ia, ib = inputs(1), inputs(2)
+    entry_a = g.bind(a, key(), *ia)
+    out, error = [], []
+
+    def run_a():
+        try:
+            out.append(g.run(entry_a, ia[2]))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            error.append(exc)
+
+    thread = threading.Thread(target=run_a)
+    thread.start()
+    assert in_step.wait(60)
+    entry_b = g.bind(b, key(), *ib)
+    bound.set()
+    thread.join(60)
+    assert error == [] and torch.equal(out[0], expected(*ia))
+    assert entry_b is not None and torch.equal(g.run(entry_b, ib[2]), expected(*ib))
+
+
+def test_a_release_before_the_step_reads_its_entry_returns_none_with_its_reason():
+    g = graphs()
+    a = Owner()
+    ia = inputs(1)
+    entry = g.bind(a, key(), *ia)
+    g.release_all()  # sleep, between the caller's lookup and its run
+    assert g.run(entry, ia[2]) is None
+    assert pg.RELEASED.key in reasons()

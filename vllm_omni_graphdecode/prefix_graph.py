@@ -10,10 +10,9 @@ Why this exists
     (``hooks/sensenova_u1/denoise.py``) use it; this file knows nothing about either.
 
 Numbers
-    Measured on an H200 at Qwen-Image-2.1's real shape (README, Performance): a cached step at
-    512x512 is 1.6x faster as a replay than diffusers' eager step (host-bound there), at 1024x1024
-    only ~3% (the step is kernel-bound: what the replay saves is launch gaps). The step body the
-    hook hands in decides the rest (``hooks/qwen_image_21``: exact or fast).
+    What a replay saves is the launch gaps of an eager step: much where the step is host-bound
+    (small images), little where it is kernel-bound; the step body the hook hands in decides the
+    rest (``hooks/qwen_image_21``: exact or fast). Measured figures: ``docs/performance.md``.
 
     Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
     bytes (Qwen-Image-2.1 bf16, batch 1: prefix 256 -> 134 MB; two-reference edit, prefix 8,448 ->
@@ -28,10 +27,18 @@ Workflow (``PrefixGraphs``)
        evicted). The prefix K/V and per-request tensors are copied in once.
     2. ``run(entry, step)``: the per-step tensors are copied in; on the entry's first run the step
        is captured (``cuda_graphs.capture``: warm-ups, then the capture into vLLM's global graph
-       pool); the graph replays and a clone of its output is returned. In verify mode a new graph's first replay is checked
-       against the caller's eager step; a mismatch makes that shape eager for the process.
+       pool); the graph replays and a clone of its output is returned. In verify mode a new
+       graph's first replay is checked against the caller's eager step; a mismatch makes that
+       shape eager for the process.
     3. Whatever the graph cannot do (capacity, OOM, capture failure, verify mismatch) returns None
        with its reason counted in ``stats``; the caller then runs its own eager step.
+
+Threads
+    Replays take no lock: ``run`` reads the entry's buffers and graph once, into locals, and a
+    release (sleep) at any moment only clears the entry's fields; a step that finds them cleared
+    before its replay returns None (``RELEASED``) and the caller runs its eager step. Captures are
+    serialised by ``cuda_graphs.capture`` (the process's one capture lock); this object's lock
+    guards only its bookkeeping (binding, pooling, eviction), never a capture or a replay.
 
 Request safety
     The first upstream version kept one entry per key and re-pointed every caller's cache at it, so a
@@ -57,17 +64,12 @@ from typing import Any, Callable
 import torch
 
 from . import cuda_graphs, stats
-from .reasons import Reason
+from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
 
 Tensor = torch.Tensor
 
 CAPACITY = Reason("every prefix-graph entry is held by a live request",
                   "raise VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (2 per concurrent request under true CFG)")
-OOM = Reason("out of device memory allocating a prefix-graph entry or capturing its graph",
-             "lower VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES or leave more free memory "
-             "(gpu_memory_utilization)")
-CAPTURE_FAILED = Reason("CUDA graph capture of the cached step failed",
-                        "report this with the logged error; the shape runs eagerly for this process")
 VERIFY_MISMATCH = Reason("graph replay differed from the eager cached step (verify mode)",
                          "report this with the logged difference; the shape runs eagerly for this "
                          "process")
@@ -76,14 +78,6 @@ UNTRACKABLE_OWNER = Reason("the request's cache object cannot be weakly referenc
                            "report this (the cache type changed)")
 STEP_MISMATCH = Reason("a step's inputs changed shape or dtype within one request",
                        "report this: the hook's key missed a shape")
-ENTRY_DROPPED = Reason("the request's prefix-graph entry was released while the request still "
-                       "used it", "nothing to change; the request goes on eagerly")
-
-# Tolerance of verify mode, relative to the eager output's largest magnitude. The replay runs the
-# very kernels of the eager step on the same inputs, so equality is expected and counted
-# (``verify_exact``); this only keeps an ulp-level difference from a kernel that picks its
-# algorithm per stream from disabling a correct graph (``verify_close``).
-_VERIFY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +155,6 @@ def _signature(prefix, request, step, tail: int = 0) -> tuple:
             tuple((name, sig(t)) for name, t in sorted(step.items())))
 
 
-
-
 class PrefixGraphs:
     """Pooled static-buffer entries, each with one captured cached step. See the module docstring.
 
@@ -193,6 +185,7 @@ class PrefixGraphs:
         self._entries: collections.OrderedDict[int, Entry] = collections.OrderedDict()  # LRU first
         self._by_owner: dict[int, Entry] = {}
         self._eager: dict[tuple, Reason] = {}  # (key, sig) -> why it runs eagerly, in this process
+        # Bookkeeping only (entries, owners, eager shapes): never held across a capture or a replay.
         self._lock = threading.RLock()
 
     # -- owners and entries -------------------------------------------------------------------
@@ -378,72 +371,83 @@ class PrefixGraphs:
 
         ``eager``, when given, computes the caller's own eager result of this step: verify mode
         checks a new graph's first replay against it (else against the warm-up of ``step_fn``).
+        Takes no lock (module docstring, Threads).
         """
+        # One read of what a release may clear at any moment: this step uses these objects only.
+        bufs, graph, output = entry.buffers, entry.graph, entry.output
         reason = self._eager.get((entry.key, entry.sig))
-        if reason is None and entry.buffers is None:
-            reason = ENTRY_DROPPED
+        if reason is None and bufs is None:
+            reason = RELEASED
         if reason is not None:
             self._fallback(reason, entry.key)
             return None
-        bufs = entry.buffers.step
         for name, t in step.items():
-            buf = bufs.get(name)
+            buf = bufs.step.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 self._fallback(STEP_MISMATCH.because(name), entry.key)
                 return None
             # The graph reads this address, not the caller's tensor: copy in, never rebind.
             buf.copy_(t)
+        warm = None
+        if self.capture and graph is None:
+            captured = self._capture(entry, bufs)
+            if captured is None:
+                return None
+            graph, output, warm = captured.graph, captured.output, captured.reference
+        if entry.buffers is not bufs:
+            # Released since the read above (sleep): the inputs went into buffers that are no
+            # longer the entry's, and their memory is about to be given back.
+            self._fallback(RELEASED.because("between the step's lookup and its replay"), entry.key)
+            return None
         if not self.capture:
             stats.count(self.model, "static_step")
-            return self.step_fn(entry.buffers)
-        fresh = entry.graph is None
-        if fresh:
-            warm = self._capture(entry)
-            if warm is None:
-                return None
-        # Under the lock that captures hold: a replay launched from another thread while a graph
-        # is being captured into the same pool would be a dependency the capture cannot record.
-        with self._lock:
-            entry.graph.replay()
+            return self.step_fn(bufs)
+        # No lock: a capture in another thread records only its own thread's work
+        # (capture_error_mode="thread_local"), and graphs of the shared pool replay in order on
+        # the device's stream.
+        graph.replay()
         stats.count(self.model, "replay")
         # The next replay of this entry overwrites its output buffer in place.
-        out = entry.output.clone()
-        if fresh and self.verify:
+        out = output.clone()
+        if warm is not None and self.verify:
             out = self._verify(entry, out, eager() if eager is not None else warm)
         return out
 
-    def _capture(self, entry: Entry) -> Tensor | None:
-        """Capture ``entry``'s step; the warm-up's output (the eager step on these inputs, verify's
-        fallback reference), or None (reason counted)."""
-        with self._lock:
-            try:
-                captured = cuda_graphs.capture(lambda: self.step_fn(entry.buffers),
-                                               torch.device(entry.key.device))
-            except cuda_graphs.CaptureFailed as exc:
+    def _capture(self, entry: Entry, bufs: StaticBuffers) -> cuda_graphs.Captured | None:
+        """Capture the step over ``bufs`` (serialised with every other capture of the process by
+        ``cuda_graphs.capture``) and publish it on ``entry`` unless the entry was released
+        meanwhile; None when it failed (reason counted)."""
+        try:
+            captured = cuda_graphs.capture(lambda: self.step_fn(bufs),
+                                           torch.device(entry.key.device))
+        except cuda_graphs.CaptureFailed as exc:
+            with self._lock:
                 if exc.oom:
                     self._evict_free()
                     self._mark_eager(entry.key, entry.sig, OOM.because(exc))
                 else:  # any other capture error: this shape stays eager, the step goes on
                     self._mark_eager(entry.key, entry.sig, CAPTURE_FAILED.because(exc))
-                    stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
-                return None
-            entry.graph, entry.output = captured.graph, captured.output
-            stats.count(self.model, "capture")
-            return captured.reference
+            stats.logger.debug("graphdecode: %s capture failed", self.model, exc_info=True)
+            return None
+        with self._lock:
+            if entry.buffers is bufs:
+                entry.graph, entry.output = captured.graph, captured.output
+        stats.count(self.model, "capture")
+        return captured
 
     def _verify(self, entry: Entry, out: Tensor, reference: Tensor) -> Tensor:
-        result = cuda_graphs.compare(out, reference, _VERIFY_RTOL.get(reference.dtype, 1e-4))
-        if result.exact:
-            stats.count(self.model, "verify_exact")
-            return out
+        result = cuda_graphs.compare(out, reference, cuda_graphs.VERIFY_RTOL)
         if result.ok:
-            stats.count(self.model, "verify_close")
-            stats.logger.info("graphdecode: %s graph replay within tolerance of the eager step "
-                              "(max abs diff %.3g) for %s", self.model, result.max_abs_diff,
-                              entry.key)
+            stats.count(self.model, cuda_graphs.VERIFIED)
+            if not result.exact:
+                stats.logger.info("graphdecode: %s graph replay within tolerance of the eager "
+                                  "step (max abs diff %.3g) for %s", self.model,
+                                  result.max_abs_diff, entry.key)
             return out
         # Disable every graph of this shape; this step returns the eager result it was checked against.
-        entry.graph = entry.output = None
-        self._mark_eager(entry.key, entry.sig,
-                         VERIFY_MISMATCH.because(f"max abs diff {result.max_abs_diff:.3g}"))
+        stats.count(self.model, cuda_graphs.VERIFY_MISMATCH)
+        with self._lock:
+            entry.graph = entry.output = None
+            self._mark_eager(entry.key, entry.sig,
+                             VERIFY_MISMATCH.because(f"max abs diff {result.max_abs_diff:.3g}"))
         return reference

@@ -14,7 +14,8 @@ What runs where on a cached step
         ``nonzero``, ``int()``), checked against the cached prefix length; the prefix K/V copied into
         buffers the request owns, and the request's cache re-pointed at them (so they are not held
         twice).
-    every step, eager: a few Python checks and two copies (latents, timestep). No host sync.
+    every step, eager: constant-time checks, a lookup and two copies (latents, timestep). No host
+        sync, no walk of the module tree (structure changes between binds: ``eligibility.Watch``).
     captured: ``img_in``, timestep embedding and the shared modulation, all blocks (each with its
         ``torch.cat`` over the prefix), ``norm_out``, ``proj_out``.
     (``cached_step.py`` in detail.)
@@ -24,18 +25,20 @@ What runs where on a cached step
     CPU (tests/test_qwen_image_21.py); on GPU the graph is asserted equal to the eager static step.
 
 Numbers
-    Measured on an H200 at the real shape (README, Performance; ``benchmarks/bench.py --cases
-    qwen_image_21_step``): a replayed cached step equals diffusers' own bit for bit and takes
-    33.2 ms against 53.6 at 512x512 (the eager step is bound by the host's launch speed there),
-    151.3 against 155.4 at 1024x1024 (kernel-bound: the graph saves only launch gaps).
+    A replayed cached step equals diffusers' own bit for bit (exact mode); it saves much where the
+    eager step is bound by the host's launch speed (small images) and only launch gaps where it is
+    kernel-bound (1024x1024). Measured figures (``benchmarks/bench.py --cases
+    qwen_image_21_step``, H200): ``docs/performance.md``.
 
 Runs eagerly, each with its own reason in ``stats`` (logged once): not a CUDA device; autograd on;
 padded text mask (``encoder_hidden_states_mask`` set: the masked path depends on its contents);
 sequence/ring/tensor parallel or HSDP; torch.compile'd blocks; offload or hooks on the model or
 blocks; weights not resident on the device; dynamic LoRA wrappers (peft, vLLM); a custom attention
-processor; quantized prefix K/V; prefix K/V not populated or not matching the request's layout; and,
-from ``prefix_graph``, capacity, OOM, capture failure and verify mismatch. The extract step always
-runs as diffusers runs it.
+processor; quantized prefix K/V; prefix K/V not populated or not matching the request's layout; a
+forward call with arguments this hook does not know (a newer diffusers'); sleep's release no
+longer reaching the graphs (checked at bind); and, from ``prefix_graph``, capacity, OOM, capture
+failure, verify mismatch and a release during the step. The extract step always runs as
+diffusers runs it.
 
 Use without vLLM-Omni (bare diffusers)::
 
@@ -45,10 +48,11 @@ Use without vLLM-Omni (bare diffusers)::
     pipe = QwenImage21Pipeline.from_pretrained(path, torch_dtype=torch.bfloat16).to("cuda")
     graphs = qwen_image_21.enable(pipe)   # or enable(pipe.transformer); verify=, max_entries=
     image = pipe(prompt).images[0]        # step 0 eager, steps 1.. replay a graph
-    graphs.disable()                      # the transformer's own forward again
+    qwen_image_21.unwire(pipe)            # everything the wiring set put back
 
 Under vLLM-Omni, ``loading`` calls ``wire`` for the diffusers adapter's inner pipeline
-(``--diffusion-load-format diffusers``). Sleep level 2 releases every graph (``_attach_release``).
+(``--diffusion-load-format diffusers``). Sleep level 2 releases every graph
+(``patching.release_on_sleep``); each request checks that it still would.
 
 Files: ``names.py`` (what is read from diffusers, checked before wiring), ``rules.py`` (the
 reasons and the structure gate), ``cached_step.py`` (the patched forward, binding, the step body).
@@ -72,13 +76,11 @@ from .rules import (AUTOGRAD, COMPILED, HOOKS, LAYOUT, LORA, NOT_CUDA, NOT_POPUL
 
 __all__ = ["AUTOGRAD", "COMPILED", "CachedStepGraphs", "HOOKS", "LAYOUT", "LORA", "MODEL",
            "NOT_CUDA", "NOT_POPULATED", "NOT_RESIDENT", "OFFLOAD", "PADDED", "PARALLEL",
-           "PROCESSOR", "QUANT_KV", "enable", "find_target", "structure_reason", "support", "wire"]
+           "PROCESSOR", "QUANT_KV", "enable", "find_target", "structure_reason", "support",
+           "unwire", "wire"]
 
 NO_DIFFUSERS = Reason("diffusers with Qwen-Image-2.1 (>= 0.41) is not importable",
                       "pip install --no-deps diffusers==0.42.1 (README, Install and serve)")
-COMPILED_MODEL = Reason("the transformer is torch.compile'd as a whole",
-                        "serve without compiling the transformer: captured steps and a compiled "
-                        "forward do not mix")
 NO_PREFIX_CACHE = Reason("causal_condition=False: this checkpoint has no prefix K/V to decode from",
                          "nothing to change: its steps run as diffusers runs them")
 OWN_GRAPH = Reason("the model captures its own cached step; standing aside",
@@ -105,11 +107,11 @@ def _prepare(target, *extra_owners) -> Any:
         raise HookRefused(NO_DIFFUSERS)
     names.check_signatures(d)
     if not isinstance(target, d.transformer_cls):
-        raise HookRefused(COMPILED_MODEL.because(
-            f"{type(target).__name__} wraps the transformer with torch.compile"))
+        raise HookRefused(COMPILED.because(
+            f"{type(target).__name__} wraps the transformer with torch.compile as a whole"))
     if getattr(target, "_compiled_call_impl", None) is not None:
-        raise HookRefused(COMPILED_MODEL.because("the transformer was compiled in place "
-                                                 "(module.compile())"))
+        raise HookRefused(COMPILED.because("the transformer was compiled in place as a whole "
+                                           "(module.compile())"))
     missing = [a for a in names.TRANSFORMER_ATTRS if not hasattr(target, a)]
     if missing:
         raise HookRefused(names.MOVED.because(
@@ -131,7 +133,7 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
     ``VLLM_OMNI_GRAPHDECODE_VERIFY`` / ``_MAX_ENTRIES`` / ``_QWEN_MODE``. ``attention`` ("auto",
     "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``kernels``, ``fast_step``).
     ``capture=False`` runs the same static-buffer step eagerly (any device). Returns the wiring
-    (``disable()`` undoes it); enabling an already wired transformer returns the existing one.
+    (``unwire`` undoes it); enabling an already wired transformer returns the existing one.
     Raises HookRefused when this diffusers version moved what the hook reads, and ValueError when no
     Qwen-Image-2.1 transformer is found.
     """
@@ -151,12 +153,16 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
                             attention=attention, compile=compile)
 
 
-def _attach_release(runner, wiring: CachedStepGraphs) -> str:
-    """Make sleep level 2 drop our graphs (it discards the memory they were recorded against)."""
-    if runner is None:
-        return "no runner: release graphs yourself before sleeping"
-    patching.release_on_sleep(runner, wiring.release_graphs)
-    return "sleep level 2 releases them"
+def unwire(target) -> bool:
+    """Undo ``enable`` / ``wire`` on ``target`` (a pipeline, the adapter or the transformer): every
+    attribute the wiring set is put back and every graph dropped (``CachedStepGraphs.unwire``).
+    False when nothing was wired there."""
+    found = find_target(target) if names.resolve() is not None else None
+    wiring = getattr(found if found is not None else target, "_graphdecode_qwen", None)
+    if not isinstance(wiring, CachedStepGraphs):
+        return False
+    wiring.unwire()
+    return True
 
 
 def wire(target, cfg: config.Config, runner) -> str:
@@ -166,9 +172,16 @@ def wire(target, cfg: config.Config, runner) -> str:
     if existing is not None:
         return "already wired"
     transformer = _prepare(target, pipeline, getattr(pipeline, "_pipeline", None))
+    unreachable = patching.can_release_on_sleep(runner)
+    if unreachable is not None:
+        raise HookRefused(unreachable)
+    # Checked: patch from here on.
     wiring = CachedStepGraphs(transformer, verify=cfg.verify, max_entries=cfg.max_entries,
                               mode=cfg.qwen_mode)
-    release = _attach_release(runner, wiring)
+    release = "no runner: release graphs yourself before sleeping"
+    if runner is not None:
+        wiring.attach_release(runner)  # sleep level 2 discards the memory graphs were recorded on
+        release = "sleep level 2 releases them"
     line = (f"cached steps of {type(transformer).__name__} ({len(transformer.transformer_blocks)} "
             f"layers) replay CUDA graphs, {cfg.qwen_mode} mode; max_entries={cfg.max_entries}, "
             f"verify={'on' if cfg.verify else 'off'}; {release}")

@@ -7,9 +7,9 @@ What runs where on a cached step
         ``nonzero``, ``int()``), checked against the cached prefix length; the prefix K/V copied
         into buffers the request owns, and the request's cache re-pointed at them (so they are not
         held twice).
-    every step, eager: a few Python checks (the transformer's structure fingerprint among them:
-        an adapter or hook added in the middle of a request drops every graph) and two copies
-        (latents, timestep). No host sync.
+    every step, eager: a few constant-time checks (``eligibility.Watch`` among them: an adapter
+        or hook added in the middle of a request drops every graph), a lookup, two copies
+        (latents, timestep) and the replay. No host sync, no walk of the module tree.
     captured: ``img_in``, timestep embedding and the shared modulation, all blocks, ``norm_out``,
         ``proj_out``.
     The forward's prologue (text projection, ``repeat_interleave``, rotary over the whole
@@ -19,14 +19,16 @@ What runs where on a cached step
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+import weakref
 
 import torch
 
-from ... import eligibility, kernels, stats
+from ... import eligibility, kernels, patching, stats
 from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
-from ...reasons import Reason
+from ...reasons import ARGUMENTS, FAST_NOT_HERE, Reason
 from . import fast_step, names
 from .rules import (AUTOGRAD, COMPILED, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
                     structure_reason)
@@ -40,8 +42,6 @@ FAST_PARTIAL = Reason("fast cached step without one of its parts",
                       "see the detail: FlashAttention needs vllm's build on an sm_80+ GPU, "
                       "torch.compile needs Triton; VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact is "
                       "diffusers' own rounding")
-FAST_NOT_HERE = Reason("fast cached step not applicable; exact step captured instead",
-                       "see the detail (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact silences this)")
 
 
 class _Fast:
@@ -78,7 +78,8 @@ class CachedStepGraphs:
     the original forward every non-cached or ineligible step goes to. Returned by ``enable``.
 
     ``original`` is the forward as it was before wiring (for baselines); ``graphs`` the mechanism;
-    ``disable()`` puts the forward back and drops every graph.
+    ``patches`` what the wiring set on objects it does not own; ``unwire()`` puts all of it back
+    and drops every graph.
     """
 
     def __init__(self, transformer, *, max_entries: int, verify: bool, capture: bool = True,
@@ -95,50 +96,77 @@ class CachedStepGraphs:
                                    capture=capture)
         # With capture off (CPU tests, the benchmark's static baseline) the device is not a reason.
         self.require_cuda = capture
-        # The transformer's structure at the last bind: a change in the middle of a request (an
-        # adapter, a hook, offload, compile) drops every graph captured under the old one.
-        self._structure: tuple | None = None
-        self._patched = self.forward
-        self._patched.__func__.__graphdecode__ = True
-        transformer.forward = self._patched
-        transformer._graphdecode_qwen = self
+        # Structure is decided at bind (one walk per request branch); between binds the watch
+        # notices, in constant time per step, a module, parameter or forward hook that changed.
+        self.watch = eligibility.Watch(transformer)
+        self._rearm = True  # the watch needs a walk at the next bind that passes the gate
+        # id(owner) -> (its weak reference, why the gate refused it): a refused request branch
+        # does not walk the tree again at every step while the watch sees no change.
+        self._refused: dict[int, tuple[weakref.ref, Reason]] = {}
+        self._release: patching.SleepRelease | None = None
+        self._active = True
+        self.patches = patching.Patches()
+        self.patches.on_undo(self.watch.disarm)
+
+        def forward(*args, **kwargs):
+            return self.call(args, kwargs)
+
+        # inspect.signature follows __wrapped__ to the original's parameters.
+        functools.update_wrapper(forward, self.original)
+        forward.__graphdecode__ = True
+        self.patches.set(transformer, "forward", forward)
+        self.patches.set(transformer, "_graphdecode_qwen", self)
+
+    def attach_release(self, runner) -> None:
+        """Make sleep level 2 on ``runner`` drop every graph (``patching.release_on_sleep``);
+        each bind checks it still would."""
+        self._release = patching.release_on_sleep(runner, self.release_graphs, self.patches)
+
+    def unwire(self) -> list[str]:
+        """Put back what the wiring set (the transformer's forward, the sleep release, the module
+        tables the watch observes) and drop every graph. A wrapper stacked above the patched
+        forward since stays (its name is returned) and from now on passes straight through to
+        the original forward."""
+        self._active = False
+        left = self.patches.undo()
+        self.graphs.release_all()
+        return left
 
     def disable(self) -> None:
-        tf = self.transformer
-        if tf.__dict__.get("forward") is self._patched:
-            del tf.__dict__["forward"]
-        if tf.__dict__.get("_graphdecode_qwen") is self:
-            del tf.__dict__["_graphdecode_qwen"]
-        self.graphs.release_all()
+        """``unwire()``, under the name the bare-diffusers example uses."""
+        self.unwire()
 
     def release_graphs(self) -> None:
         """Drop every entry and graph (sleep level 2); the next cached step binds and captures anew."""
         self.graphs.release_all()
 
-    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
-                encoder_hidden_states_mask=None, attention_kwargs=None, kv_cache=None,
-                kv_cache_mode=None, return_dict=True):
-        def run_original(return_dict=return_dict):
-            return self.original(
-                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                timestep=timestep, img_shapes=img_shapes, img_mask=img_mask,
-                encoder_hidden_states_mask=encoder_hidden_states_mask,
-                attention_kwargs=attention_kwargs, kv_cache=kv_cache, kv_cache_mode=kv_cache_mode,
-                return_dict=return_dict)
-
-        if kv_cache_mode == "cached" and kv_cache is not None:
-            out = self._cached_step(hidden_states, timestep, img_shapes, img_mask,
-                                    encoder_hidden_states_mask, kv_cache,
-                                    eager=lambda: run_original(return_dict=False)[0])
-            if out is not None:
-                return self.d.output_cls(sample=out) if return_dict else (out,)
+    def call(self, args: tuple, kwargs: dict):
+        """The transformer's forward as wired: a cached step replays its graph; anything else,
+        and any call with arguments this hook does not know (counted), runs the original forward
+        with the very arguments it was given."""
+        if not self._active:  # unwired: a wrapper stacked above ours still calls in
+            return self.original(*args, **kwargs)
+        call, unknown = self.d.forward_arguments(args, kwargs)
+        if call is None or call["kv_cache_mode"] != "cached" or call["kv_cache"] is None:
+            return self.original(*args, **kwargs)
+        out = None
+        if unknown:
             if not torch.compiler.is_compiling():
-                stats.count(MODEL, "eager_step")
-        return run_original()
+                stats.fallback(MODEL, ARGUMENTS.because(f"forward: {', '.join(unknown)}"))
+        else:
+            out = self._cached_step(
+                call, eager=lambda: self.original(**dict(call, return_dict=False))[0])
+        if out is not None:
+            return self.d.output_cls(sample=out) if call["return_dict"] else (out,)
+        if not torch.compiler.is_compiling():
+            stats.count(MODEL, "eager_step")
+        return self.original(*args, **kwargs)
 
     # -- one cached step ---------------------------------------------------------------------
 
-    def _cached_step(self, hidden_states, timestep, img_shapes, img_mask, text_mask, kv_cache, eager):
+    def _cached_step(self, call: dict, eager):
+        hidden_states, timestep = call["hidden_states"], call["timestep"]
+        kv_cache = call["kv_cache"]
         if torch.compiler.is_compiling():
             # Traced by torch.compile (the whole model compiled after wiring): leave it to the
             # original forward. Not counted: a counter call here would break the traced graph;
@@ -150,31 +178,38 @@ class CachedStepGraphs:
         if torch.is_grad_enabled():
             stats.fallback(MODEL, AUTOGRAD)
             return None
-        if text_mask is not None:
+        if call["encoder_hidden_states_mask"] is not None:
             stats.fallback(MODEL, PADDED)
             return None
-        structure = eligibility.fingerprint(self.transformer)
-        if structure != self._structure:
-            if self._structure is not None:
-                # Graphs captured before froze the old structure (e.g. no adapter): none may replay.
-                self.graphs.release_all()
+        if self.watch.changed():
+            # Graphs captured before froze the old structure (no adapter, no hook) and the fast
+            # body holds the old weights: none may run again. The next bind decides anew.
+            self.graphs.release_all()
+            self._fast = None
+            self._refused.clear()
+            if not self._rearm:
                 stats.count(MODEL, "structure_changed")
-            self._structure = structure
+            self._rearm = True
+            self.watch.settle()
+        img_shapes, img_mask = call["img_shapes"], call["img_mask"]
         backend = names.backend_name(self.d, self.transformer)
         entry = self.graphs.lookup(kv_cache)
-        if entry is None or not self._still_bound(entry, kv_cache, hidden_states, timestep,
-                                                  img_shapes, img_mask, backend):
-            if entry is not None and not _reads_entry(kv_cache, entry):
+        bufs = entry.buffers if entry is not None else None  # a release may clear it any time
+        if bufs is None or not self._still_bound(entry, bufs, kv_cache, hidden_states, timestep,
+                                                 img_shapes, img_mask, backend):
+            if bufs is not None and not _reads_entry(kv_cache, bufs):
                 self.graphs.release(kv_cache)  # re-extracted: the old buffers are unread, pool them
             entry = self._bind(kv_cache, hidden_states, timestep, img_shapes, img_mask, backend)
             if entry is None:
                 return None
+            bufs = entry.buffers
         # eager: diffusers' own cached forward, what verify mode checks a new exact graph
         # against; a fast graph is checked against its own warm-up (same kernels, same rounding).
+        exact = bufs is None or bufs.kv is None
         return self.graphs.run(entry, {"latents": hidden_states, "timestep": timestep},
-                               eager=eager if entry.buffers.kv is None else None)
+                               eager=eager if exact else None)
 
-    def _still_bound(self, entry, kv_cache, hidden_states, timestep, img_shapes, img_mask,
+    def _still_bound(self, entry, bufs, kv_cache, hidden_states, timestep, img_shapes, img_mask,
                      backend) -> bool:
         """Whether the owner's binding still describes this step. No host sync."""
         meta = entry.meta
@@ -183,7 +218,7 @@ class CachedStepGraphs:
                 or meta.get("backend") != backend):
             return False
         # A new extract into the same cache object stores new tensors: re-copy then.
-        for i, (k, v) in enumerate(entry.buffers.prefix):
+        for i, (k, v) in enumerate(bufs.prefix):
             layer = kv_cache.get_layer(i)
             if layer.k is not k or layer.v is not v:
                 return False
@@ -192,12 +227,18 @@ class CachedStepGraphs:
     def _bind(self, kv_cache, hidden_states, timestep, img_shapes, img_mask, backend):
         tf = self.transformer
         device = hidden_states.device
-        # The fast body reads the blocks' weights, never their forward: blocks compiled by
-        # vLLM-Omni's runner (regional compile) are no obstacle to it.
-        found = structure_reason(tf, device, compiled_ok=self.mode == "fast")
+        lost = self._release.lost() if self._release is not None else None
+        if lost is not None:  # a sleep may have discarded memory under the graphs without us
+            self.graphs.release_all()
+            stats.fallback(MODEL, lost)
+            return None
+        found = self._structure_reason(kv_cache, device)
         if found is not None:
             stats.fallback(MODEL, found)
             return None
+        if self._rearm:
+            self.watch.arm()
+            self._rearm = False
         prefix = self._read_prefix(kv_cache, hidden_states)
         if prefix is None:
             return None
@@ -220,15 +261,35 @@ class CachedStepGraphs:
                                  request={"rotary": rotary, "target_mask": target_mask},
                                  step={"latents": hidden_states, "timestep": timestep},
                                  tail=rotary.shape[0] if fast is not None else 0)
-        if entry is None:
-            return None
-        for i, (k, v) in enumerate(entry.buffers.prefix):
+        bufs = entry.buffers if entry is not None else None
+        if bufs is None:  # refused (counted), or released by another thread since (run says so)
+            return entry
+        for i, (k, v) in enumerate(bufs.prefix):
             # The request now reads its prefix from buffers it owns while it lives (an eager step
             # later in this request sees the same values), and the extract step's copies are freed.
             kv_cache.get_layer(i).store(k, v)
         entry.meta.update(layout=_layout_sig(img_shapes, img_mask),
                           step=_step_sig(hidden_states, timestep), backend=backend)
         return entry
+
+    def _structure_reason(self, kv_cache, device) -> Reason | None:
+        """The structure gate for this request branch: decided at its first bind (a walk), then
+        remembered while the watch sees no change."""
+        known = self._refused.get(id(kv_cache))
+        if known is not None and known[0]() is kv_cache:
+            return known[1]
+        # The fast body reads the blocks' weights, never their forward: blocks compiled by
+        # vLLM-Omni's runner (regional compile) are no obstacle to it.
+        found = structure_reason(self.transformer, device, compiled_ok=self.mode == "fast")
+        if found is not None:
+            try:
+                ref = weakref.ref(kv_cache)
+            except TypeError:
+                return found
+            for key in [k for k, (r, _) in self._refused.items() if r() is None]:
+                del self._refused[key]
+            self._refused[id(kv_cache)] = (ref, found)
+        return found
 
     def _read_prefix(self, kv_cache, hidden_states):
         tf = self.transformer
@@ -390,7 +451,7 @@ class CachedStepGraphs:
         entry's buffers and attends over prefix + target with the selected kernel."""
         tf = self.transformer
         hidden, temb, modulation = self._head(bufs)
-        kv = fast_step.KVBuffers.wrap(bufs.kv, bufs.prefix[0][0].shape[1])
+        kv = fast_step.KVBuffers(bufs.kv, bufs.prefix[0][0].shape[1])
         self._fast.blocks.prepare(kv)
         hidden = self._fast.blocks(hidden, modulation, bufs.request["rotary"], kv)
         hidden = tf.norm_out(hidden, temb, bufs.request["target_mask"])
@@ -413,9 +474,9 @@ class CachedStepGraphs:
         return tf.proj_out(hidden)
 
 
-def _reads_entry(kv_cache, entry) -> bool:
-    """Whether any layer of the cache still points at the entry's prefix buffers."""
-    for i, (k, v) in enumerate(entry.buffers.prefix):
+def _reads_entry(kv_cache, bufs: StaticBuffers) -> bool:
+    """Whether any layer of the cache still points at an entry's prefix buffers."""
+    for i, (k, v) in enumerate(bufs.prefix):
         layer = kv_cache.get_layer(i)
         if layer.k is k or layer.v is v:
             return True

@@ -4,8 +4,9 @@ Why this exists
     The exact mode replays diffusers' own blocks (per layer a ``torch.cat`` of prefix and target
     K/V, SDPA, a dozen unfused elementwise kernels). This is the same math with three changes, still
     captured as one graph per entry by ``prefix_graph``:
-    1. ``KVBuffers``: per layer one K and one V buffer ``(B, prefix + target, H, D)``; the prefix is
-       written once at bind, each step writes the target's K/V into the tail in place (no cat).
+    1. ``KVBuffers``: per layer one K and one V buffer ``(B, prefix + target, H, D)``
+       (``prefix_graph`` allocates them per entry); the prefix is written once at bind, each step
+       writes the target's K/V into the tail in place (no cat).
     2. ``select_dense_attention``: vllm's FA3 on Hopper, FA2 elsewhere, SDPA last; chosen once,
        with the reason each faster kernel was skipped.
     3. ``FastBlocks(compile=True)``: Inductor fuses the elementwise work in two regions shared by
@@ -15,10 +16,9 @@ Why this exists
        them, uncompiled: no prefix length reaches a compiled region, so prompts of any length reuse
        the code compiled for a (batch, target shape).
 
-Numbers (H200, real shape, 1024x1024 text-to-image, graph replays; README, Performance, and
-``benchmarks/results/h200-2026-11-30c/qwen-fast-probe.json``): diffusers' blocks 148.6 ms; these
-buffers without ``torch.cat`` 144.7; with FA3 131.8; with the compiled regions 110.1. Max abs
-difference from diffusers' cached forward 0.0156 on outputs up to ~2.7.
+Numbers: what each of the three changes saves at the real shape, and the fast step's distance
+from diffusers' cached forward, are in ``docs/performance.md`` (the qwen probe,
+``benchmarks/results/h200-2026-11-30c/qwen-fast-probe.json``).
 
 Precision
     ``compile=False`` with SDPA is diffusers' cached block op for op (``RMSNorm``,
@@ -46,30 +46,22 @@ option) sets per process; past it a call raises ``CompileFailed`` and the exact 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-from ...compiling import (  # noqa: F401 - shared with SenseNova-U1's fast denoising body
+from ...compiling import (  # noqa: F401 - the names callers read from here
     COMPILE_FAILED,
     NO_COMPILE,
     NO_CXX,
     NO_TRITON,
     CompileFailed,
-    Inductor as _Inductor,
-    call_compiled,
+    Regions,
     compile_supported,
     dense_strides as _dense_strides,
-    dynamo_errors,
 )
-from ...reasons import Reason
+from ...reasons import STRUCTURE, Reason
 
 Tensor = torch.Tensor
-
-
-STRUCTURE = Reason("transformer block differs from diffusers 0.41-0.42's QwenImage21TransformerBlock",
-                   "use the exact mode for this model")
 
 
 def mask_all_target(mask: Tensor) -> bool:
@@ -82,55 +74,16 @@ def mask_all_target(mask: Tensor) -> bool:
 
 class KVBuffers:
     """Per layer one K and one V buffer, ``(batch, prefix_len + target_len, heads, head_dim)``,
-    allocated once: ``[:, :prefix_len]`` holds the prefix (``write_prefix``, once per request),
-    ``[:, prefix_len:]`` the target's K/V of the current step (written in place by the fast body).
+    allocated elsewhere (``prefix_graph``'s ``StaticBuffers.kv``; tests and probes:
+    ``testing.qwen_fast.kv_buffers``). ``prefix``: per layer views of the first ``prefix_len`` rows
+    (written once per request); ``tails``: of the rest, the target's K/V of the current step
+    (written in place by the fast body). Allocates nothing."""
 
-    ``prefix_views()`` are views of the prefix part, made once (the same objects every call): store
-    them into the request's ``QwenImage21KVLayerCache`` so an eager step of the same request reads
-    this prefix. They are contiguous at batch 1 only; ``torch.cat`` does not mind.
-    """
-
-    def __init__(self, layers: int, batch: int, prefix_len: int, target_len: int, heads: int,
-                 head_dim: int, *, dtype: torch.dtype, device):
-        self.prefix_len, self.target_len = prefix_len, target_len
-        shape = (batch, prefix_len + target_len, heads, head_dim)
-        # Not inference tensors, whatever mode the caller is in: a later request under plain
-        # no_grad must still write them.
-        with torch.inference_mode(False):
-            self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-            self._prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in zip(self.k, self.v)]
-            self.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in zip(self.k, self.v)]
-
-    @classmethod
-    def wrap(cls, kv: list[tuple[Tensor, Tensor]], prefix_len: int) -> KVBuffers:
-        """Buffers over tensors allocated elsewhere (``prefix_graph``'s ``StaticBuffers.kv``): per
-        layer (k, v) ``(B, prefix_len + target_len, H, D)``. Allocates nothing."""
-        bufs = cls.__new__(cls)
-        bufs.prefix_len, bufs.target_len = prefix_len, kv[0][0].shape[1] - prefix_len
-        bufs.k, bufs.v = [k for k, _ in kv], [v for _, v in kv]
-        bufs._prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in kv]
-        bufs.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in kv]
-        return bufs
-
-    @classmethod
-    def from_prefix(cls, prefix: list[tuple[Tensor, Tensor]], target_len: int) -> KVBuffers:
-        """Buffers shaped for ``prefix`` (per layer (k, v), ``(B, P, H, D)``) with it written."""
-        k0 = prefix[0][0]
-        b, p, h, d = k0.shape
-        bufs = cls(len(prefix), b, p, target_len, h, d, dtype=k0.dtype, device=k0.device)
-        for i, (k, v) in enumerate(prefix):
-            bufs.write_prefix(i, k, v)
-        return bufs
-
-    def write_prefix(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Copy one layer's prefix K/V ``(B, prefix_len, H, D)`` in (on the caller's stream)."""
-        pk, pv = self._prefix[layer]
-        pk.copy_(k)
-        pv.copy_(v)
-
-    def prefix_views(self) -> list[tuple[Tensor, Tensor]]:
-        return list(self._prefix)
+    def __init__(self, kv: list[tuple[Tensor, Tensor]], prefix_len: int):
+        self.prefix_len, self.target_len = prefix_len, kv[0][0].shape[1] - prefix_len
+        self.k, self.v = [k for k, _ in kv], [v for _, v in kv]
+        self.prefix = [(k[:, :prefix_len], v[:, :prefix_len]) for k, v in kv]
+        self.tails = [(k[:, prefix_len:], v[:, prefix_len:]) for k, v in kv]
 
     @property
     def nbytes(self) -> int:
@@ -186,22 +139,12 @@ def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: fl
     return x
 
 
-_COMPILED: dict[bool, tuple[_Inductor, Callable, Callable]] = {}
-
-
-def _compiled(emulate_casts: bool):
-    """(backend, compiled pre, compiled post) for this option, made once per process."""
-    if emulate_casts not in _COMPILED:
-        backend = _Inductor({"emulate_precision_casts": emulate_casts})
-        _COMPILED[emulate_casts] = (backend, *(
-            torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-            for fn in (_pre_attention, _post_attention)))
-    return _COMPILED[emulate_casts]
+REGIONS = Regions(_pre_attention, _post_attention)
 
 
 def compiled_graphs() -> int:
     """Graphs Inductor compiled for fast blocks in this process (first compiles and recompiles)."""
-    return sum(backend.graphs for backend, _, _ in _COMPILED.values())
+    return REGIONS.compiled_graphs()
 
 
 _LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer",
@@ -242,7 +185,7 @@ class FastBlocks:
     ValueError when ``structure_problem`` finds one. Workflow::
 
         blocks = FastBlocks(transformer, attention, compile=True)   # once per model
-        buffers = KVBuffers.from_prefix(prefix, target_len)        # at bind
+        buffers = KVBuffers(kv, prefix_len)                        # at bind, prefix written
         blocks.prepare(buffers)                                    # at bind, outside capture
         hidden = blocks(hidden, modulation, rotary, buffers)       # each step, capturable
     """
@@ -269,15 +212,8 @@ class FastBlocks:
                                    a.norm_q.eps, a.norm_k.eps, self.head_dim, compile))
             self._post_args.append((a.to_out[0].weight, mlp.gate_layer.weight, mlp.proj.weight,
                                     mlp.out.weight, b.img_norm2.eps))
-        if compile:
-            device = blocks[0].attn.to_q.weight.device
-            found = compile_supported(device)
-            if found is not None:
-                raise CompileFailed(found)
-            _, self._pre, self._post = _compiled(emulate_casts)
-            self._errors = dynamo_errors()
-        else:
-            self._pre, self._post = _pre_attention, _post_attention
+        self._pre, self._post = REGIONS.select(blocks[0].attn.to_q.weight.device, compile=compile,
+                                               emulate_precision_casts=emulate_casts)
 
     def prepare(self, buffers: KVBuffers) -> None:
         """Build what the attention needs for these buffers' shapes (call at bind)."""
@@ -301,12 +237,9 @@ class FastBlocks:
         """Block ``i`` alone; arguments as for the call. Writes layer ``i``'s target K/V."""
         rotary = torch.view_as_real(rotary) if rotary.is_complex() else rotary
         hidden = _dense_strides(hidden)
-        q, k, v = self._run(self._pre, hidden, modulation, rotary, *self._pre_args[i])
+        q, k, v = self._pre(hidden, modulation, rotary, *self._pre_args[i])
         k_tail, v_tail = buffers.tails[i]
         k_tail.copy_(k)
         v_tail.copy_(v)
         out = self.attention(q, buffers.k[i], buffers.v[i])
-        return self._run(self._post, hidden, out, modulation, *self._post_args[i])
-
-    def _run(self, fn, *args):
-        return call_compiled(fn, self._errors, *args) if self.compile else fn(*args)
+        return self._post(hidden, out, modulation, *self._post_args[i])

@@ -8,6 +8,7 @@ it is, with the reason.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 
 from ...patching import HookRefused, check_signature
@@ -41,6 +42,10 @@ TRANSFORMER_ATTRS = ("transformer_blocks", "img_in", "time_text_embed", "modulat
 INTREE_GRAPH_ATTRS = ("release_captured_graphs", "capture_cached_step", "cached_step_graph")
 
 
+# The transformer forward's parameters this hook reads, in order (``self`` left out).
+FORWARD = SIGNATURES[0][2][1:]
+
+
 class Diffusers:
     """The diffusers names this hook uses, resolved once (diffusers is imported only when a model
     could be one of its own)."""
@@ -48,6 +53,9 @@ class Diffusers:
     def __init__(self, module):
         self.module = module
         self.transformer_cls = module.QwenImage21Transformer2DModel
+        params = inspect.signature(self.transformer_cls.forward).parameters
+        self.forward_defaults = {name: params[name].default for name in FORWARD if name in params
+                                 and params[name].default is not params[name].empty}
         self.layer_cache_cls = module.QwenImage21KVLayerCache
         self.known_processors = (module.QwenImage21AttnProcessor, module.QwenImage21FlexAttnProcessor)
         self.tokens_per_slot = int(module._IMG_TOKENS_PER_SLOT)
@@ -56,6 +64,21 @@ class Diffusers:
 
         self.backend_registry = _AttentionBackendRegistry
         self.output_cls = Transformer2DModelOutput
+
+
+    def forward_arguments(self, args: tuple, kwargs: dict) -> tuple[dict | None, list[str]]:
+        """A call of the transformer's forward by parameter name, defaults filled (None when a
+        required one is missing: the forward itself raises then), and the arguments this hook
+        does not know: a parameter a newer diffusers added, or a name given twice."""
+        call = dict(self.forward_defaults)
+        call.update(zip(FORWARD, args))
+        unknown = [f"positional argument {i + 1}" for i in range(len(FORWARD), len(args))]
+        for name, value in kwargs.items():
+            if name in FORWARD and name not in FORWARD[:len(args)]:
+                call[name] = value
+            else:
+                unknown.append(name)
+        return (call if all(name in call for name in FORWARD) else None), unknown
 
 
 _DIFFUSERS: Diffusers | None = None

@@ -12,34 +12,22 @@ from __future__ import annotations
 import torch
 
 from ... import eligibility
-from ...reasons import Reason
+from ...reasons import (AUTOGRAD, COMPILED, HOOKS, LORA, NOT_CUDA, OFFLOAD, PARALLEL, QUANT_KV,
+                        Reason)
 from . import names
 
-NOT_CUDA = Reason("not on a CUDA device", "run the transformer on an NVIDIA GPU")
-AUTOGRAD = Reason("autograd is enabled",
-                  "call the pipeline under torch.no_grad() (diffusers pipelines do)")
+__all__ = ["AUTOGRAD", "COMPILED", "HOOKS", "LAYOUT", "LORA", "NOT_CUDA", "NOT_POPULATED",
+           "NOT_RESIDENT", "OFFLOAD", "PADDED", "PARALLEL", "PROCESSOR", "QUANT_KV",
+           "structure_reason"]
+
+# This hook's own reasons; the shared ones (``reasons``) carry this hook's case in their detail.
 PADDED = Reason("padded text mask: encoder_hidden_states_mask is set, and the masked attention "
                 "depends on its contents",
                 "send prompts of one length per batch (diffusers drops an all-valid mask)")
-PARALLEL = Reason("sequence/ring/tensor parallel or HSDP sharding on the transformer",
-                  "serve one replica per GPU without context parallelism or sharded weights")
-COMPILED = Reason("torch.compile'd transformer blocks",
-                  "do not compile the transformer or its blocks: this plugin's fast mode compiles "
-                  "the cached step itself (VLLM_OMNI_GRAPHDECODE_QWEN_MODE)")
-OFFLOAD = Reason("offload hooks on the transformer or its blocks (accelerate, diffusers)",
-                 "disable CPU/sequential/group offload: offload moves weights between steps")
-HOOKS = Reason("forward hooks on the transformer or its blocks (accelerate, diffusers, torch)",
-               "remove diffusers cache hooks and other forward hooks: a hook runs once during "
-               "capture and never at replay")
 NOT_RESIDENT = Reason("transformer weights are not resident on the step's device",
                       "keep the whole transformer on the GPU (no offload)")
-LORA = Reason("dynamic LoRA wrappers on the transformer (peft / vLLM LoRA layers)",
-              "fuse the LoRA into the weights (fuse_lora, then unload_lora_weights) or serve "
-              "without it")
 PROCESSOR = Reason("an attention processor this hook does not know",
                    "use QwenImage21AttnProcessor or QwenImage21FlexAttnProcessor")
-QUANT_KV = Reason("quantized prefix K/V: the cache does not hold plain tensors in the model's dtype",
-                  "keep the prefix K/V cache unquantized")
 NOT_POPULATED = Reason("prefix K/V not populated: no extract step ran for this cache",
                        "run step 0 with kv_cache_mode='extract' (the pipeline does)")
 LAYOUT = Reason("prefix K/V do not match the request's token layout (no key for this step)",
@@ -55,8 +43,8 @@ def structure_reason(transformer, device: torch.device | None = None, *,
     """Why this transformer's cached steps cannot be captured as it is wired now, or None.
 
     ``compiled_ok``: compiled blocks are no reason (the fast body reads their weights only).
-    Checked at every bind (once per request branch); a change in the middle of a request is seen
-    through ``eligibility.fingerprint`` at every step (``cached_step.py``).
+    A walk of the module tree: checked at every bind (once per request branch), never per step;
+    a change in the middle of a request is seen through ``eligibility.Watch`` (``cached_step.py``).
     """
     d = names.resolve()
     blocks = transformer.transformer_blocks
