@@ -226,3 +226,27 @@ def test_bad_denoise_value_names_the_variable_and_what_is_accepted():
         _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE="compiled")
     assert str(err.value) == ("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE='compiled' is not "
                               "accepted; accepted: off, graph, fast")
+
+
+def test_a_branch_binding_after_sleeps_release_was_replaced_runs_the_pipelines_own_step(
+        checkpoint, eager):
+    """The denoiser registered on a runner checks at each branch's first step that sleep level 2
+    still reaches it; once the runner's graph_runners was replaced, branches run the pipeline's
+    own steps with the reason (their graphs may sit on memory a sleep discarded)."""
+    from types import SimpleNamespace
+
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import layouts
+
+    pipe = rm.load_sensenova_pipeline(checkpoint, dtype=DTYPE)
+    runner = SimpleNamespace(pipeline=pipe)  # 0.24-0.28: sleep calls graph_runners.clear()
+    layout = layouts.detect_layout(pipe.language_model, type(pipe))
+    denoiser = denoise.install(pipe, layout, _cfg(), capture=False, runner=runner)
+    patching.release_on_sleep(runner, denoiser.release)
+    request = CASES["t2i_cfg4"][0]
+    assert np.array_equal(rm.generate_image(pipe, request)[0], eager["t2i_cfg4"][0])
+    assert stats.get(MODEL, "static_step") == 2 * request.num_steps
+    runner.graph_runners = {}
+    assert np.array_equal(rm.generate_image(pipe, request)[0], eager["t2i_cfg4"][0])
+    assert stats.get(MODEL, "static_step") == 2 * request.num_steps
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {patching.SLEEP_UNREACHABLE.key}": 2}
+    assert denoiser.graphs.info()["entries"] == 0

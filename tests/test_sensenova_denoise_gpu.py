@@ -65,7 +65,7 @@ def test_gpu_captured_branch_steps_equal_the_pipelines_own_bit_for_bit(checkpoin
     assert np.array_equal(image, want_image)
     assert stats.get(MODEL, "capture") == branches
     assert stats.get(MODEL, "replay") == len(calls)
-    assert stats.get(MODEL, "verify_exact") == branches
+    assert stats.get(MODEL, cuda_graphs.VERIFIED) == branches
     assert stats.fallbacks(MODEL) == {}
     # a second request reuses the pooled entries and their graphs
     again, _ = _run(pipe, request, refs)

@@ -2,13 +2,15 @@
 
 Why
     After think decode is fast, most of a SenseNova-U1 text-to-image request is its denoising:
-    upstream measured the think steps at 2.8 s of an 8.2 s request, and 50 steps with CFG 4 at
-    9.0 s on one H200. Every step runs the language model's generation pathway (``*_mot_gen``)
-    over the image tokens once per CFG branch (cond, uncond, and img_cond for edits), attending to
-    the branch's prefix K/V, which do not change during the request: vllm-omni 0.24-0.30 copy them
-    once into per-layer ``flash_k_cache`` / ``flash_v_cache`` buffers of prefix + image rows
-    (``prepare_flash_kv_cache``), and each step writes its image K/V into the tail. So a branch
-    step is one fixed kernel sequence per (branch, shape), the case ``prefix_graph`` exists for.
+    upstream measured the think steps at 2.8 s of an 8.2 s request (vllm-omni #7679, #7730:
+    https://github.com/vllm-project/vllm-omni/issues/7679,
+    https://github.com/vllm-project/vllm-omni/issues/7730). Every step runs the language model's
+    generation pathway (``*_mot_gen``) over the image tokens once per CFG branch (cond, uncond,
+    and img_cond for edits), attending to the branch's prefix K/V, which do not change during the
+    request: vllm-omni 0.24-0.30 copy them once into per-layer ``flash_k_cache`` /
+    ``flash_v_cache`` buffers of prefix + image rows (``prepare_flash_kv_cache``), and each step
+    writes its image K/V into the tail. So a branch step is one fixed kernel sequence per
+    (branch, shape), the case ``prefix_graph`` exists for.
 
 What is replayed
     The branch step is the pipeline's own ``_t2i_predict_v`` (its code, called with a stand-in
@@ -32,14 +34,14 @@ Counted under ``sensenova_u1_image``: ``capture``, ``replay``, ``static_step`` (
 step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step), and
 each fallback by its reason, once per request branch.
 
-Measured (H200, 1024x1024, 50 steps, CFG 4; ``benchmarks/results/h200-2026-12-01b``): a step of
-both branches 118.6 -> 83.8 ms on vllm-omni 0.26 (its generation path launches ~2,600 kernels a
-branch step: the eager step waits on the host), 81.5 -> 72.4 ms on 0.30 (~800 kernels), images
-identical. On by default (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off`` turns it off).
+Measured (H200, 1024x1024, 50 steps, CFG 4): a step of both branches with and without the graph,
+on vllm-omni 0.26 (its generation path launches thousands of kernels a branch step: the eager step
+waits on the host) and 0.30, images identical: ``docs/performance.md``
+(``benchmarks/results/h200-2026-12-01b``). On by default
+(``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=off`` turns it off).
 ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` replays ``fast_denoise.FastGen`` instead of the
-pipeline's code: 60.6 ms (0.26) and 61.6 ms (0.30) for both branches, the image 30.4 dB from
-the pipeline's with random weights (``benchmarks/results/h200-2026-12-01c``). Not done (issue
-#13): graphing the per-step work outside the branches (13 host syncs a step).
+pipeline's code: faster, with another rounding (``fast_denoise``'s docstring). Not done (issue
+#13): graphing the per-step work outside the branches (its host syncs).
 """
 
 from __future__ import annotations
@@ -51,10 +53,11 @@ import weakref
 
 import torch
 
-from ... import eligibility, prefix_graph, stats
+from ... import eligibility, patching, prefix_graph, stats
 from ...patching import HookRefused, check_signature
-from ...reasons import Reason
-from . import fast_denoise, layouts, rules
+from ...reasons import (ARGUMENTS, AUTOGRAD, FAST_NOT_HERE, LORA, NOT_CUDA, PARALLEL, QUANT_KV,
+                        Reason)
+from . import fast_denoise, layouts, ops, rules
 
 MODEL = "sensenova_u1_image"
 
@@ -75,29 +78,15 @@ STEP_TENSORS = ("input_embeds", "t", "z")
 REQUEST_TENSORS = ("indexes_image",)
 NOT_CONSTANT = STEP_TENSORS + REQUEST_TENSORS + ("past_key_values", "attn_mask")
 
-NOT_CUDA = Reason("not on a CUDA device", "run SenseNova-U1 on an NVIDIA GPU")
-AUTOGRAD = Reason("autograd is enabled", "call the pipeline under torch.no_grad() (vllm-omni does)")
+# This hook's own reasons; the shared ones (``reasons``) carry its case in their detail.
 CACHE_BACKEND = Reason("a cache backend (cache-dit, TeaCache) drives the denoising steps",
                        "unset cache_backend (DIFFUSION_CACHE_BACKEND) for graph denoising: the "
                        "backend decides in Python at every step which blocks run")
-PARALLEL = Reason("CFG-parallel or sequence-parallel denoising",
-                  "serve with cfg_parallel_size 1 and no sequence parallelism for graph denoising")
-LORA = Reason("dynamic LoRA wrappers in the language model",
-              "merge the LoRA into the weights (vllm-omni's SenseNova-U1 load_lora_weights does) "
-              "or serve without it")
 MASKED = Reason("the branch attends with an attention mask",
                 "report this: vllm-omni's denoising branches attend without one")
 NO_BUFFERS = Reason("the branch's cache has no prefix + image buffers (prepare_flash_kv_cache)",
                     "report this with the vllm-omni version: the pipeline prepares them before "
                     "denoising")
-ARGUMENTS = Reason("the branch step was called in a form this hook does not know",
-                   "report this with the vllm-omni version (python -m vllm_omni_graphdecode "
-                   "doctor)")
-QUANT_KV = Reason("prefix K/V not in the model's dtype",
-                  "keep the prefix K/V cache unquantized")
-FAST_NOT_HERE = Reason("fast denoising step not applicable; the exact step runs instead",
-                       "see the detail (VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph silences "
-                       "this)")
 NOT_WIRED = Reason("SenseNova-U1's denoising code moved",
                    "use vllm-omni 0.24-0.30 (python -m vllm_omni_graphdecode doctor)")
 
@@ -137,11 +126,8 @@ class GenForward:
         extra = dict(kwargs)
         if not self.layout.rope_per_layer:
             # 0.30's forward builds the three rope tables once and hands them to every layer.
-            extra["position_embeddings"] = (
-                model.rotary_emb(hidden, indexes[0].unsqueeze(0)),
-                model.rotary_emb_hw(hidden, indexes[1].unsqueeze(0)),
-                model.rotary_emb_hw(hidden, indexes[2].unsqueeze(0)),
-            )
+            extra["position_embeddings"] = ops.rope_tables(model.rotary_emb, model.rotary_emb_hw,
+                                                           hidden, indexes)
         for layer in model.layers:
             hidden = layer(hidden, image_gen_indicators=image_gen_indicators, exist_und=False,
                            exist_gen=True, indexes=indexes, attention_mask=attention_mask,
@@ -189,7 +175,8 @@ class _Branch:
 class Denoiser:
     """The denoising wiring of one pipeline: gate, per-branch entries, the replayed step."""
 
-    def __init__(self, pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None):
+    def __init__(self, pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None,
+                 runner=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -197,6 +184,9 @@ class Denoiser:
         # None: graphs where the branch runs on CUDA, the pipeline's own step elsewhere.
         # False: the static-buffer step without capture on any device (CPU tests).
         self.capture = capture
+        # The runner sleep reaches this pipeline through (``patching.release_on_sleep``): each
+        # branch's first step checks that it still would. None: not checked.
+        self.runner = runner
         predict = type(pipeline)._t2i_predict_v
         self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
         # fast mode: the FastGen body where it applies, else the Reason it does not; None in the
@@ -257,7 +247,8 @@ class Denoiser:
 
     def _branch(self, owner, args, kwargs) -> _Branch:
         if owner is None or args:
-            reason = ARGUMENTS.because("positional arguments" if args else "no past_key_values")
+            reason = ARGUMENTS.because("_t2i_predict_v: " + (
+                "positional arguments" if args else "no past_key_values"))
             self._refuse(reason)
             return _Branch(None, reason)
         with self._lock:
@@ -299,6 +290,10 @@ class Denoiser:
             return NOT_CUDA.because(f"device is {z.device}")
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             return AUTOGRAD
+        lost = patching.release_lost(self.runner)
+        if lost is not None:
+            self.graphs.release_all()  # a sleep may have discarded memory under them unseen
+            return lost
         if t.dim() != 0:
             return ARGUMENTS.because(f"timestep of shape {tuple(t.shape)}")
         mask = kwargs.get("attn_mask")
@@ -319,7 +314,8 @@ class Denoiser:
             if not (torch.is_tensor(k) and torch.is_tensor(v)):
                 return NO_BUFFERS.because(f"layer {i}")
             if k.dtype != dtype or v.dtype != dtype:
-                return QUANT_KV.because(f"layer {i}: {k.dtype} with {dtype} activations")
+                return QUANT_KV.because(f"prefix K/V of layer {i}: {k.dtype} with {dtype} "
+                                        f"activations")
             if (getattr(layer, "flash_prefix_len", None) != prefix or k.shape[1] != prefix + image
                     or v.shape != k.shape):
                 return NO_BUFFERS.because(f"layer {i}: rows {tuple(k.shape)} for prefix {prefix} "
@@ -348,7 +344,7 @@ class Denoiser:
         if adapter is not None and eligibility.module_hooks(adapter):
             return CACHE_BACKEND.because("hooks on denoising_transformer")
         if rules.lora_present(lm):
-            return LORA
+            return LORA.because("language_model")
         return None
 
     def _bind(self, owner, kwargs) -> prefix_graph.Entry | None:
@@ -371,9 +367,12 @@ class Denoiser:
         fast = self._fast_for()
         if fast is not None:
             fast.prepare(key.batch, image, prefix + image, kwargs["z"].device)
+        bufs = entry.buffers
+        if bufs is None:  # released by another thread since (sleep): run() says so
+            return entry
         # The cache reads the entry's rows from now on (the entry is the owner's while it lives):
         # the request's own copy is freed, and an eager step of this branch writes the same rows.
-        for layer, (k, v) in zip(layers, entry.buffers.kv):
+        for layer, (k, v) in zip(layers, bufs.kv):
             layer.flash_k_cache, layer.flash_v_cache = k, v
         return entry
 
@@ -459,12 +458,14 @@ def _attention_backend(language_model) -> str:
     return type(getattr(attn, "attention", attn)).__name__
 
 
-def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None):
+def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None, runner=None):
     """Patch ``pipeline``'s branch step and denoising loop; returns the ``Denoiser``.
-    HookRefused (nothing patched) when the code moved."""
+    HookRefused (nothing patched) when the code moved. ``runner``: the one sleep's release was
+    registered on (``patching.release_on_sleep``); each branch's first step then checks that
+    sleep still reaches it (``patching.release_lost``) and runs eagerly with the reason if not."""
     lm = pipeline.language_model
     check(pipeline, lm)
-    denoiser = Denoiser(pipeline, layout, cfg, capture=capture)
+    denoiser = Denoiser(pipeline, layout, cfg, capture=capture, runner=runner)
     predict = pipeline._t2i_predict_v
     loop = pipeline._run_denoising_loop
 

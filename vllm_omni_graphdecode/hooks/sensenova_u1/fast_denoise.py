@@ -2,13 +2,13 @@
 around their GEMMs, the elementwise work fused by Inductor, the attention through FlashAttention.
 
 Why
-    The exact mode replays the pipeline's own step. On vllm-omni 0.30 at 1024x1024 a branch step
-    is 34 ms of GPU work, of which the GEMMs are 22.7 ms, already at the measured matmul rate; the
-    rest is per layer a Triton q/k norm + 3-D rope kernel (~53 us for 1,024 tokens), transposes
-    of q, k and v around it, the diffusion attention, RMSNorm, residual adds, SiLU and the
-    multiply as separate kernels (``benchmarks/results/h200-2026-12-01b``, ``request-0.30.json``;
-    0.26: the same plus ~2,600 kernels a step). ``benchmarks/sensenova_denoise_probe.py`` times
-    these parts against what this body runs instead.
+    The exact mode replays the pipeline's own step. Its GEMMs already run at the measured matmul
+    rate; the rest is per layer a Triton q/k norm + 3-D rope kernel, transposes of q, k and v
+    around it, the diffusion attention, RMSNorm, residual adds, SiLU and the multiply as separate
+    kernels (0.26: many more). Where a branch step's time goes on each release:
+    ``docs/performance.md`` (``benchmarks/results/h200-2026-12-01b``, ``request-0.30.json``);
+    ``benchmarks/probes/sensenova_denoise_probe.py`` times these parts against what this body runs
+    instead.
 
 What runs, per layer (``FastGen``; the same interface as ``denoise.GenForward``)
     pre   (compiled) qkv GEMM, split, per-head RMSNorm of the t half and the h/w half with their
@@ -17,7 +17,9 @@ What runs, per layer (``FastGen``; the same interface as ``denoise.GenForward``)
     attn  FlashAttention (vllm's FA3 on Hopper, FA2 elsewhere, SDPA last) over prefix + image;
     post  (compiled) o_proj, residual add, RMSNorm, gate_up GEMM, SiLU * up, down GEMM, residual
           add, and the next layer's input RMSNorm (the last layer's: the final ``norm_mot_gen``).
-    The rope tables are computed once per step (every layer's are the same: checked).
+    The rope tables are computed once per step (every layer's are the same: checked). RMSNorm,
+    the rope tables and the q/k norm + rope are ``ops.py``'s (the exact step's forward and the
+    fused decode step take their rope tables from there too).
 
 Precision
     Not the pipeline's bits: the compiled regions round where Inductor's fused kernels do
@@ -25,15 +27,15 @@ Precision
     differs. The RMSNorm is restated as the release computes it: ``F.rms_norm`` (0.30) or its
     fp32 cast chain (0.24-0.28). ``compile=False`` with the same attention as the pipeline runs the
     restated math op for op (CPU test: equal to the pipeline's step within bf16 rounding of the
-    attention; ``benchmarks/sensenova_denoise_probe.py`` checks each restated part bit for bit
-    against the modules).
+    attention; ``benchmarks/probes/sensenova_denoise_probe.py`` checks each restated part bit for
+    bit against the modules).
 
-Measured (issue #13, H200, ``benchmarks/results/h200-2026-12-01c``): a branch step at 1024x1024
-is 28.7 ms of GPU work on vllm-omni 0.30 against the pipeline's 31.3 (GEMMs 23.0 of it); both
-branches 61.6 ms against 74.2 (0.30) and 60.6 against 101.4 (0.26). The image is 30.4 dB from the
-pipeline's with random weights, where vllm-omni's own rounding variants are 29.9-30.4 dB apart;
-the bar for a default that changes rounding is 40 dB, so ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE
-=fast`` is opt-in and the exact mode (``graph``) the default.
+Measured (issue #13, H200): the step's GPU work against the pipeline's on 0.26 and 0.30, and the
+image's PSNR from the pipeline's with random weights, are in ``docs/performance.md`` (the fast
+denoising mode; ``benchmarks/results/h200-2026-12-01c``). The image moves as far from the
+pipeline's as vllm-omni's own rounding variants do, short of the 40 dB bar a default that changes
+rounding must clear: ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` is opt-in and the exact mode
+(``graph``) the default.
 """
 
 from __future__ import annotations
@@ -43,59 +45,14 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ...compiling import (
-    COMPILE_FAILED,
-    CompileFailed,
-    Inductor,
-    call_compiled,
-    compile_supported,
-    dense_strides,
-    dynamo_errors,
-)
-from ...reasons import Reason
+from ...compiling import COMPILE_FAILED, CompileFailed, Regions, dense_strides
+from ...reasons import STRUCTURE, Reason
+from .ops import qk_norm_rope, rms_norm, rope_tables
 
 Tensor = torch.Tensor
 
-STRUCTURE = Reason("the generation pathway's layers differ from what the fast body restates",
-                   "use VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph (the exact mode)")
 
-
-# -- the restated math --------------------------------------------------------------------------
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float, cast_chain: bool) -> Tensor:
-    """``Qwen3RMSNorm`` as the release defines it: ``F.rms_norm`` (0.30) or, with
-    ``cast_chain``, normalised in fp32, rounded to the input's dtype, then scaled (0.24-0.28)."""
-    if not cast_chain:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``apply_rotary_pos_emb`` on (B, S, H, d) with tables (B, S, d)."""
-    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
-
-
-def qk_norm_rope(q: Tensor, k: Tensor, wq: Tensor, wk: Tensor, wq_hw: Tensor, wk_hw: Tensor,
-                 tables, eps: float, cast_chain: bool):
-    """vllm-omni's ``_project_and_rope`` after the qkv GEMM (its PyTorch fallback, which the
-    Triton kernel computes too), on (B, S, H, D) and returning that layout."""
-    (cos_t, sin_t), (cos_h, sin_h), (cos_w, sin_w) = tables
-
-    def one(x, w_t, w_hw):
-        x_t, x_hw = x.chunk(2, dim=-1)
-        x_t = _rope(rms_norm(x_t, w_t, eps, cast_chain), cos_t, sin_t)
-        x_h, x_w = rms_norm(x_hw, w_hw, eps, cast_chain).chunk(2, dim=-1)
-        return torch.cat([x_t, _rope(x_h, cos_h, sin_h), _rope(x_w, cos_w, sin_w)], dim=-1)
-
-    return one(q, wq, wq_hw), one(k, wk, wk_hw)
-
+# -- the restated layer, around its attention ---------------------------------------------------
 
 def pre_attention(normed: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, wq, wk, wq_hw, wk_hw,
                   tables, eps: float, cast_chain: bool, heads: int, kv_heads: int, head_dim: int):
@@ -202,22 +159,12 @@ def structure_problem(language_model, rope_per_layer: bool) -> Reason | None:
 
 # -- the body -----------------------------------------------------------------------------------
 
-_COMPILED: dict[str, tuple] = {}
-
-
-def _compiled():
-    """(backend, compiled pre, compiled post), once per process."""
-    if "fast" not in _COMPILED:
-        backend = Inductor({"emulate_precision_casts": True})
-        _COMPILED["fast"] = (backend, *(torch.compile(fn, backend=backend, fullgraph=True,
-                                                      dynamic=False)
-                                        for fn in (pre_attention, post_attention)))
-    return _COMPILED["fast"]
+REGIONS = Regions(pre_attention, post_attention)
 
 
 def compiled_graphs() -> int:
     """Graphs Inductor compiled for this body in this process (first compiles and recompiles)."""
-    return sum(entry[0].graphs for entry in _COMPILED.values())
+    return REGIONS.compiled_graphs()
 
 
 class FastGen:
@@ -262,23 +209,15 @@ class FastGen:
                 .variance_epsilon, nxt.variance_epsilon))
         self._shape = (first.num_heads, first.num_kv_heads, first.head_dim,
                        first.q_norm_mot_gen.variance_epsilon)
-        if compile:
-            found = compile_supported(layers[0].self_attn.qkv_proj_mot_gen.weight.device)
-            if found is not None:
-                raise CompileFailed(found)
-            _, self._pre, self._post = _compiled()
-            self._errors = dynamo_errors()
-        else:
-            self._pre, self._post = pre_attention, post_attention
+        self._pre, self._post = REGIONS.select(layers[0].self_attn.qkv_proj_mot_gen.weight.device,
+                                               compile=compile, emulate_precision_casts=True)
 
     def prepare(self, batch: int, image: int, total: int, device) -> None:
         """What the attention needs for these shapes (at bind, outside any capture)."""
         self.attention.prepare(batch, image, total, device)
 
     def tables(self, hidden: Tensor, indexes: Tensor):
-        rot, rot_hw = self._rope_modules
-        return (rot(hidden, indexes[0].unsqueeze(0)), rot_hw(hidden, indexes[1].unsqueeze(0)),
-                rot_hw(hidden, indexes[2].unsqueeze(0)))
+        return rope_tables(*self._rope_modules, hidden, indexes)
 
     def __call__(self, inputs_embeds, image_gen_indicators, indexes, attention_mask,
                  past_key_values, use_cache=True, compute_logits=False, **kwargs):
@@ -289,18 +228,15 @@ class FastGen:
         normed = rms_norm(x, w_in, eps_in, self.cast_chain)
         for i, cache in enumerate(past_key_values.layers):
             wq_kv = self._pre_args[i]
-            q, k, v = self._run(self._pre, normed, *wq_kv, tables, qk_eps, self.cast_chain,
-                                heads, kv_heads, head_dim)
+            q, k, v = self._pre(normed, *wq_kv, tables, qk_eps, self.cast_chain, heads, kv_heads,
+                                head_dim)
             prefix = cache.flash_prefix_len
             keys, values = cache.flash_k_cache, cache.flash_v_cache
             keys[:, prefix:].copy_(k)
             values[:, prefix:].copy_(v)
             out = self.attention(q, keys, values, softmax_scale=self.scale)
-            x, normed = self._run(self._post, x, out, *self._post_args[i], self.cast_chain)
+            x, normed = self._post(x, out, *self._post_args[i], self.cast_chain)
         return self.output(hidden_states=normed, past_key_values=past_key_values)
-
-    def _run(self, fn, *args):
-        return call_compiled(fn, self._errors, *args) if self.compile else fn(*args)
 
 
 __all__ = ["COMPILE_FAILED", "CompileFailed", "FastGen", "STRUCTURE", "cast_chain_norm",

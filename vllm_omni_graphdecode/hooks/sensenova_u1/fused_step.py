@@ -37,7 +37,7 @@ import torch
 from ... import gemv, layer_ops
 from ...patching import HookRefused
 from ...reasons import Reason
-from . import layouts
+from . import layouts, ops
 from .step import PAGED_KWARG
 
 UNFUSED = Reason("decode step unfused",
@@ -188,10 +188,8 @@ def _rope_once_kernel(language_model, kernel=None):
 
 def _rope_tables(attn, hidden_states, indexes):
     """(cos, sin) for the t, h and w rope of this token: what ``_project_and_rope`` computes in
-    every layer, computed the same way once."""
-    return (attn.rotary_emb(hidden_states, indexes[0].unsqueeze(0)),
-            attn.rotary_emb_hw(hidden_states, indexes[1].unsqueeze(0)),
-            attn.rotary_emb_hw(hidden_states, indexes[2].unsqueeze(0)))
+    every layer, computed the same way once (``ops.rope_tables``)."""
+    return ops.rope_tables(attn.rotary_emb, attn.rotary_emb_hw, hidden_states, indexes)
 
 
 def _project_and_rope_once(attn, hidden_states, rope, rope_kernel, qkv_proj=None):

@@ -9,23 +9,14 @@ start, so offload, hooks, LoRA or compile applied after load are seen.
 from __future__ import annotations
 
 from ... import eligibility
-from ...reasons import Reason
+from ...reasons import COMPILED, HOOKS, OFFLOAD, PARALLEL, QUANT_KV, Reason
 
-TP = Reason("tensor parallel > 1",
-            "serve SenseNova-U1 with tensor parallel size 1 for graph decode (the captured step "
-            "would hold collectives)")
-OFFLOAD = Reason("CPU or layerwise offload",
-                 "disable --enable-cpu-offload / --enable-layerwise-offload (and accelerate or "
-                 "diffusers offload hooks) for graph decode: offload moves weights between steps")
-COMPILED = Reason("language model is torch.compile'd",
-                  "compile off for SenseNova-U1 (diffusion_compile_granularity=regional, or "
-                  "--enforce-eager): Dynamo would trace the decode step")
-KV_QUANT = Reason("quantized KV cache",
-                  "unset diffusion_kv_cache_dtype: the paged kernel reads the cache unquantized, so "
-                  "its output would differ")
-HOOKED = Reason("forward hooks on the language model",
-                "remove hooks from the language model (cache backends, profilers) for graph "
-                "decode: a hook runs once during capture and never at replay")
+# The shared reasons under the names this hook has always exported; the detail says which case.
+TP = PARALLEL  # tensor parallel > 1: the captured step would hold collectives
+KV_QUANT = QUANT_KV  # the paged kernel reads the cache unquantized
+HOOKED = HOOKS
+
+__all__ = ["COMPILED", "HOOKED", "KV_QUANT", "OFFLOAD", "TP", "gate", "lora_present"]
 
 _OFFLOAD_FLAGS = ("enable_cpu_offload", "enable_layerwise_offload",
                   "enable_distributed_layerwise_offload")
@@ -58,7 +49,7 @@ def gate(pipe, lm, kernel) -> Reason | None:
         return kernel
     tp = _tensor_parallel(pipe)
     if tp > 1:
-        return TP.because(f"tp={tp}")
+        return TP.because(f"tensor parallel size {tp}")
     od = getattr(pipe, "od_config", None)
     flags = [f for f in _OFFLOAD_FLAGS if getattr(od, f, False)]
     if flags:
