@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import sensenova_request as sr  # noqa: E402
 
+from vllm_omni_graphdecode.reasons import NOT_CUDA  # noqa: E402
+
 SIZE, STEPS, THINK_TOKENS = 64, 2, 8
 # Rounding of each part to 4 decimals: the parts' sum may exceed the total by that much.
 EPS = 1e-3
@@ -99,7 +101,7 @@ def test_on_cpu_the_wired_pipeline_runs_its_own_steps_so_the_images_are_equal(re
         # branch step of the timed request ran the pipeline's own code.
         assert "image denoising" in row["plugin_summary"]
         assert row["plugin_counters"] == {"sensenova_u1_image.eager_branch": STEPS * 2}
-        assert any("not on a CUDA device" in k for k in row["plugin_fallbacks"])
+        assert any(NOT_CUDA.key in k for k in row["plugin_fallbacks"])
     config = data["environment"]["plugin_config"]
     assert config["env"][sr.DENOISE_VAR] == "graph" and "error" not in config
     assert config["parsed"][sr.DENOISE_VAR] == "graph"

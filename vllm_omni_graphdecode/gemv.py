@@ -77,8 +77,9 @@ class Gemv:
 
     name = "Inductor GEMVs (coordinate-descent tuned)"
 
-    def __init__(self, fuse_mlp_tail: bool = True):
-        options = {"coordinate_descent_tuning": True, "deterministic": True}
+    def __init__(self, fuse_mlp_tail: bool = True, deterministic: bool = True):
+        # deterministic=False: block sizes tuned by timing (faster or not: probes/gemv_modes.py)
+        options = {"coordinate_descent_tuning": True, "deterministic": deterministic}
         self._fn = torch.compile(_linear, dynamic=False, options=options)
         self._tail = torch.compile(_silu_mul_linear_add, dynamic=False, options=options)
         self.fuse_mlp_tail = fuse_mlp_tail

@@ -10,6 +10,10 @@ Variants (``--variants``, comma list):
   mlp_tail      the fused step as shipped: those three as one Inductor kernel
   mlp_tail_sN   the same with FA3's split of the keys fixed at N (scheduler and kernel alike)
                 instead of its heuristic
+  tuned         mlp_tail with the GEMVs' block sizes tuned by timing (Inductor's coordinate
+                descent outside its deterministic mode: what shipped before issue #22, when two
+                processes could round one request differently)
+  cublas        the fused norms and rope with the linear layers' own cuBLAS GEMMs (no Inductor)
 
 Each variant is its own ``paged_decoder`` over the same model (FA3, 8 tokens a launch, the greedy
 token loop driven as the pipeline's loop drives it). After a warm-up that captures, the variants
@@ -41,7 +45,7 @@ sys.path.insert(0, _BENCHMARKS)
 import common  # noqa: E402
 import profile_step  # noqa: E402
 from bench import SENSENOVA_SHAPE, sensenova_read_bytes  # noqa: E402
-from vllm_omni_graphdecode import config, kernels  # noqa: E402
+from vllm_omni_graphdecode import config, gemv, kernels  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts  # noqa: E402
 from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
@@ -74,6 +78,10 @@ def variant_parts(name, lm, kernel):
     if fusion.gemv is None:
         raise RuntimeError(f"no Inductor GEMV here: {fusion.reasons}")
     fusion.gemv.fuse_mlp_tail = name != "base"
+    if name == "tuned":
+        fusion.gemv = gemv.Gemv(deterministic=False)
+    elif name == "cublas":
+        fusion.gemv = None
     if name.startswith("mlp_tail_s"):
         kernel = split_kernel(kernel, int(name[len("mlp_tail_s"):]))
     return kernel, fusion
@@ -119,10 +127,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in ("base", "mlp_tail")
+    bad = [v for v in names if v not in ("base", "mlp_tail", "tuned", "cublas")
            and not (v.startswith("mlp_tail_s") and v[len("mlp_tail_s"):].isdigit())]
     if bad:
-        ap.error(f"unknown variant(s) {bad}; known: base, mlp_tail, mlp_tail_sN")
+        ap.error(f"unknown variant(s) {bad}; known: base, mlp_tail, mlp_tail_sN, tuned, cublas")
     env = common.environment()
     bw = common.copy_bandwidth_bytes_per_s()
     env["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)

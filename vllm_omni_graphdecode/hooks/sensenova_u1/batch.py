@@ -44,6 +44,11 @@ from . import layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
 
 MAX_ROWS = 16
+# Rows of every batched step, whatever the server's --max-num-seqs: one shape for every server
+# configuration, so a request's answer does not depend on it either (measured on the H200: the
+# linear layers cost the same at 8 and 16 rows, 8 rows decoding took 7.97 ms a step in an 8-row
+# step and 7.98 in a 16-row one; results h200-2026-12-01e).
+STEP_ROWS = MAX_ROWS
 BATCH_ATTR = "supports_request_batch"
 
 SERIAL = Reason("batch served one request at a time",
@@ -136,9 +141,9 @@ class BatchWiring:
         if self.decoder is None:
             attn = layouts.attention_modules(self.lm)[0]
             fusion = _batch_fusion(self.lm, self.layout, self.device, self.dtype)
-            step = BatchStep(self.lm, self.layout, self.rows, fusion=fusion)
+            step = BatchStep(self.lm, self.layout, STEP_ROWS, fusion=fusion)
             cache = BatchKV(len(self.lm.model.layers), attn.num_kv_heads, attn.head_dim,
-                            attn.num_heads, rows=self.rows, dtype=self.dtype, device=self.device,
+                            attn.num_heads, rows=STEP_ROWS, dtype=self.dtype, device=self.device,
                             attention=self.attention, blocks=self.initial_blocks(),
                             writer=self.writer)
             cache.grow(cache.num_blocks, width=self.table_width())
@@ -190,7 +195,8 @@ class BatchWiring:
         slot = 2 * len(self.lm.model.layers) * attn.num_kv_heads * attn.head_dim * (
             torch.empty((), dtype=self.dtype).element_size())
         pool = self.initial_blocks() * 16 * slot / 2**30
-        return (f"batched decode of up to {self.rows} requests ({self.attention.name}; "
+        return (f"batched decode of up to {self.rows} requests ({STEP_ROWS}-row step, "
+                f"{self.attention.name}; "
                 f"{'CUDA graphs' if self.graphs else 'no graphs'}; {self.k} tokens a launch; "
                 f"paged K/V pool {pool:.2f} GiB = {self.rows} rows x {per} tokens, grows on "
                 f"demand)")
@@ -430,6 +436,7 @@ def declare(cls) -> str:
     """Declare request batching on the pipeline class and give it a serial batch ``forward``
     (module docstring). Returns what was done, for the log. Idempotent."""
     if getattr(cls.forward, "__graphdecode__", False):
+        setattr(cls, BATCH_ATTR, True)
         return "already declared"
     try:
         original = check_signature(cls, "forward", FORWARD_PARAMS)
