@@ -148,10 +148,13 @@ SETTINGS: tuple[Setting, ...] = (
             "multinomial at its temperature), the loop's stop tokens and limit checked once per "
             "launch (tokens past a stop are discarded with their K/V). 1: one launch and one host "
             "sync per token, the loop picking each token itself."),
-    Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "exact"), "sensenova_step",
+    Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "tuned", "exact"), "sensenova_step",
             "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
-            "add and SiLU through vllm's fused kernels, rope tables once per step; rounding order "
-            "differs slightly) or exact (the model's own modules, as its eager step computes)."),
+            "add and SiLU through vllm's fused kernels, rope tables once per step, the linear "
+            "layers' own cuBLAS GEMMs; rounds slightly differently from the model, the same in "
+            "every process), tuned (fused, with the linear layers through Inductor GEMVs tuned "
+            "by timing at load: 4% faster on the H200, but another process may round a request "
+            "differently) or exact (the model's own modules, as its eager step computes)."),
     Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph", "fast"), "sensenova_denoise",
             "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
             "own code, over static prefix + image K/V buffers per request branch) as a CUDA "

@@ -20,11 +20,14 @@ weight shape (the weight is an argument, so one compiled kernel serves every lay
 The fp32 accumulation order differs from cuBLAS's, so results differ in the last bits of bf16:
 this belongs to the fused step, never to the exact one.
 
-Deterministic: the reduction's block sizes are tuned by timing, and two processes could pick
-different ones and so round the same request differently (issue #22: two engine runs with the
-plugin parted at think token 693). Inductor's deterministic mode (``deterministic``, torch >=
-2.9) keeps each reduction's configuration fixed from its heuristics instead; where torch lacks it
-the fused step's GEMVs fall back to the modules' own (cuBLAS), with the reason counted.
+Opt-in (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=tuned``): the reduction's block sizes are tuned by
+timing at first use, and two processes can pick different ones and so round the same request
+differently (issue #22: two engine runs with these GEMVs parted at think token 693). Measured on
+the H200, SenseNova-U1's fused step at context 2048 (``benchmarks/probes/decode_step_probe.py``,
+``benchmarks/results/h200-2026-12-01e/``): tuned 5.88 ms/token, the modules' own cuBLAS GEMMs
+6.14, Inductor's deterministic mode (``deterministic``: each reduction's configuration fixed by
+its heuristics) 7.50. So the default fused step runs cuBLAS, the same in every process, and the
+tuned GEMVs are the 4% faster mode for one process's own consistency only.
 
 A LoRA wrapper of vllm-omni whose adapter is not active on a layer computes exactly its base
 layer (``DiffusionBaseLinearLayerWithLoRA.apply`` skips the adapter's matmuls), so it runs the
@@ -77,8 +80,9 @@ class Gemv:
 
     name = "Inductor GEMVs (coordinate-descent tuned)"
 
-    def __init__(self, fuse_mlp_tail: bool = True, deterministic: bool = True):
-        # deterministic=False: block sizes tuned by timing (faster or not: probes/gemv_modes.py)
+    def __init__(self, fuse_mlp_tail: bool = True, deterministic: bool = False):
+        # deterministic=True: Inductor's deterministic mode, no tuning by timing (slower than
+        # cuBLAS here: the module docstring); the decode step probe times it.
         options = {"coordinate_descent_tuning": True, "deterministic": deterministic}
         self._fn = torch.compile(_linear, dynamic=False, options=options)
         self._tail = torch.compile(_silu_mul_linear_add, dynamic=False, options=options)
@@ -133,11 +137,6 @@ def select_gemv(device) -> Gemv | Reason:
         return NO_GEMV.because("torch.utils._triton missing")
     if not has_triton():
         return NO_GEMV.because("Triton not usable on this device")
-    import torch._inductor.config as inductor_config
-
-    if not hasattr(inductor_config, "deterministic"):
-        return NO_GEMV.because(f"torch {torch.__version__}'s Inductor has no deterministic mode: "
-                               f"its tuned GEMVs could round differently in another process")
     return Gemv()
 
 

@@ -10,10 +10,9 @@ Variants (``--variants``, comma list):
   mlp_tail      the fused step as shipped: those three as one Inductor kernel
   mlp_tail_sN   the same with FA3's split of the keys fixed at N (scheduler and kernel alike)
                 instead of its heuristic
-  tuned         mlp_tail with the GEMVs' block sizes tuned by timing (Inductor's coordinate
-                descent outside its deterministic mode: what shipped before issue #22, when two
-                processes could round one request differently)
-  cublas        the fused norms and rope with the linear layers' own cuBLAS GEMMs (no Inductor)
+  deterministic mlp_tail in Inductor's deterministic mode (no block sizes tuned by timing)
+  cublas        the fused norms and rope with the linear layers' own cuBLAS GEMMs (no Inductor):
+                the default step since issue #22 (base and mlp_tail are SENSENOVA_STEP=tuned)
 
 Each variant is its own ``paged_decoder`` over the same model (FA3, 8 tokens a launch, the greedy
 token loop driven as the pipeline's loop drives it). After a warm-up that captures, the variants
@@ -74,12 +73,12 @@ def variant_parts(name, lm, kernel):
     """(kernel, fusion) of a variant."""
     layout = layouts.detect_layout(lm)
     param = next(lm.parameters())
-    fusion = fused_step.Fusion.select(lm, layout, param.device, param.dtype)
+    fusion = fused_step.Fusion.select(lm, layout, param.device, param.dtype, tuned_gemv=True)
     if fusion.gemv is None:
         raise RuntimeError(f"no Inductor GEMV here: {fusion.reasons}")
     fusion.gemv.fuse_mlp_tail = name != "base"
-    if name == "tuned":
-        fusion.gemv = gemv.Gemv(deterministic=False)
+    if name == "deterministic":
+        fusion.gemv = gemv.Gemv(deterministic=True)
     elif name == "cublas":
         fusion.gemv = None
     if name.startswith("mlp_tail_s"):
@@ -127,10 +126,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     names = [v for v in args.variants.split(",") if v]
-    bad = [v for v in names if v not in ("base", "mlp_tail", "tuned", "cublas")
+    bad = [v for v in names if v not in ("base", "mlp_tail", "deterministic", "cublas")
            and not (v.startswith("mlp_tail_s") and v[len("mlp_tail_s"):].isdigit())]
     if bad:
-        ap.error(f"unknown variant(s) {bad}; known: base, mlp_tail, mlp_tail_sN, tuned, cublas")
+        ap.error(f"unknown variant(s) {bad}; known: base, mlp_tail, mlp_tail_sN, deterministic, cublas")
     env = common.environment()
     bw = common.copy_bandwidth_bytes_per_s()
     env["copy_bandwidth_tb_s"] = round(bw / 1e12, 3)

@@ -93,15 +93,14 @@ class BatchStep:
 
 
 def _batch_fusion(lm, layout, device, dtype):
-    """The fused step's norms (and rope once per step on 0.24-0.28) without its Inductor GEMVs:
-    an autotuned kernel picks its reduction order by timing, so two processes could round the
-    same request differently."""
+    """The fused step's norms (and rope once per step on 0.24-0.28) with the modules' own GEMMs,
+    never the tuned GEMVs (a kernel configured by timing could round the same request
+    differently in another process)."""
     if not layout.fused_step or torch.device(device).type != "cuda":
         return None
     from .fused_step import Fusion
 
-    found = Fusion.select(lm, layout, device, dtype)
-    fusion = Fusion(found.rope_kernel, found.layer_ops, found.reasons, None)
+    fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=False)
     return fusion if fusion.active else None
 
 

@@ -6,25 +6,25 @@ longer supported: 0.30's model computes its rope tables once per forward itself.
 Why: at batch 1 a SenseNova-U1 decoder layer's four GEMVs read ~380 MB (~90 us at the H200's
 bandwidth); around them the 0.24-0.28 model code launches ~50 small kernels (three rope-table
 computations of ~10 kernels each, two RMSNorms of 8, SiLU-and-multiply, residual adds), 2-3 us
-each even inside a CUDA graph: about half of a graphed step. Measured on the H200 (README,
-Performance): 9.9 -> 6.6 ms/token at context 2048, ~2,500 -> 676 kernels a token.
+each even inside a CUDA graph: about half of a graphed step. Measured on the H200
+(docs/performance.md, "Where the time goes"): the model's own step ~2,500 kernels a token,
+9.9 ms at context 2048; this step 6.14 ms (``benchmarks/results/h200-2026-12-01e/``).
 
 What it does: on 0.24-0.28 the rope tables are computed once per step for all 42 layers
 (bit-identical: every layer's tables are the same function of the same index, checked at
 construction) and fed to vllm-omni's own qk-norm + rope kernel; on every layout each decoder
-layer's norms, residual add and SiLU run through vllm's fused kernels (``layer_ops.LayerOps``),
-and its linear layers through Inductor's tuned GEMV (``gemv.py``: 0.2-3 us faster per layer
-than cuBLAS at these shapes; LoRA-wrapped or quantised layers stay the module's own), the MLP's
-SiLU-and-multiply, down GEMV and residual add as one compiled kernel (``Gemv.mlp_tail``: 84
-kernels fewer a token, 0.6-0.8% faster on the H200; it rounds differently from the three
-kernels, within the GPU test's bound). Apart from that tail, against 0.24-0.28's
-eager code the step keeps the rounding points (the fp32 sum order differs);
-0.30's ``F.rms_norm`` rounds once, after the weight multiply, so there the fused step rounds
-differently: ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=exact`` runs the model's own modules instead.
-0.30's in-tree decode measured 7.05 ms/token at context 2048 on the H200; its model code runs
-~12 kernels per layer around the GEMVs that the fused step does in 3. Everything else
-(the projections, LoRA wrappers included, attention) is the model's own modules. Each part has its
-own availability check; ``Fusion.reasons`` says why a part is off.
+layer's norms, residual add and SiLU run through vllm's fused kernels (``layer_ops.LayerOps``).
+The linear layers are the modules' own (cuBLAS): the same in every process. With
+``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=tuned`` they run through Inductor's GEMVs tuned by timing
+(``gemv.py``: 5.88 against 6.14 ms/token, but another process may round differently;
+LoRA-wrapped or quantised layers stay the module's own), and the MLP's SiLU-and-multiply, down
+GEMV and residual add are one compiled kernel (``Gemv.mlp_tail``, rounding differently from the
+three kernels, within the GPU test's bound). Against 0.24-0.28's eager code the step keeps the
+rounding points (the fp32 sum order differs); 0.30's ``F.rms_norm`` rounds once, after the weight
+multiply, so there the fused step rounds differently: ``..._SENSENOVA_STEP=exact`` runs the
+model's own modules instead. Everything else (the projections, LoRA wrappers included,
+attention) is the model's own modules. Each part has its own availability check;
+``Fusion.reasons`` says why a part is off.
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ class Fusion:
         return module if self.gemv is None else gemv.Projection(self.gemv, module)
 
     @classmethod
-    def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16):
-        """The production parts this device and layout support."""
+    def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16, *,
+               tuned_gemv: bool = False):
+        """The production parts this device and layout support. ``tuned_gemv``: the linear
+        layers through Inductor's GEMVs tuned by timing (``gemv.py``: faster, but another
+        process may round differently); otherwise the modules' own GEMMs."""
         if not layout.fused_step:
             return cls(reasons=[f"{layout.name} layout runs the model's own step"])
         if torch.device(device).type != "cuda":
@@ -104,11 +107,12 @@ class Fusion:
             fusion.reasons.append(f"model's own norms: {ops.describe()}")
         else:
             fusion.layer_ops = ops
-        found = gemv.select_gemv(device)
-        if isinstance(found, Reason):
-            fusion.reasons.append(f"cuBLAS GEMVs: {found.describe()}")
-        else:
-            fusion.gemv = found
+        if tuned_gemv:
+            found = gemv.select_gemv(device)
+            if isinstance(found, Reason):
+                fusion.reasons.append(f"cuBLAS GEMVs: {found.describe()}")
+            else:
+                fusion.gemv = found
         return fusion
 
     @classmethod

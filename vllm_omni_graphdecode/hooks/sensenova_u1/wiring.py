@@ -219,10 +219,10 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused"):
     """(fusion or None, K/V writer or None, why each missing part is off)."""
     off: list[str] = []
     fusion = None
-    if layout.fused_step and step == "fused":
+    if layout.fused_step and step in ("fused", "tuned"):
         from .fused_step import Fusion
 
-        fusion = Fusion.select(lm, layout, device, dtype)
+        fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned")
         off += fusion.reasons
         fusion = fusion if fusion.active else None
     writer = select_kv_writer(device, dtype)
