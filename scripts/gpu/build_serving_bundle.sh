@@ -52,7 +52,9 @@ pkgs=(more-itertools==11.2.1 janus==2.0.0 blake3==1.0.11
   mistral_common==1.13.1 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1
   jsonschema-specifications==2025.9.1 pydantic-extra-types==2.11.1 pycountry==26.2.16
   ijson==3.6.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 soundfile==0.14.0 cffi==2.1.1
-  partial-json-parser==0.2.1.1.post7)
+  partial-json-parser==0.2.1.1.post7 websockets==17.4)
+# websockets: vllm-omni 0.30's OpenAI server stops at start without it ("Install websockets
+# first"); its version is the CPU venv's (vllm-omni 0.30 installs it there).
 # partial-json-parser: vllm.tool_parsers.utils, imported by the server's argument parser. The
 # main bundle carries it only in its vllm-omni 0.30 tree (/tmp/site-omni-0.30.0), so the 0.26
 # server failed on the host without it (first GPU run of tests/test_e2e_serve_gpu.py).
