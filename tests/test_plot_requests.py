@@ -1,6 +1,6 @@
 """benchmarks/plot_requests.py on CPU: it draws a PNG from the committed whole-request results, and
-every figure it draws is the one in its results file (it prints them as JSON); --batch rows are
-drawn too."""
+every figure it draws is the one in its results file (it prints them as JSON); --batch rows (N
+concurrent requests) are drawn per request, each figure its file's total divided by N."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ EXPECTED = {
     ("benchmarks/results/h200-2026-11-30c/qwen-image.json",
      "qwen_image_21_image_t2i_1024_50steps_cfg4"),
 }
+# What the README's picture adds with --batch: the concurrent rows of this session's results.
+BATCH_FILE = "benchmarks/results/h200-2026-12-01e/batch-0.30/sensenova-batch.json"
+BATCH_LABELS = {"sensenova_batch_text_n8": "8 concurrent text requests (per request)",
+                "sensenova_batch_think_t2i_1024_n8": "8 concurrent think requests (per request)"}
 
 
 def _run(*args):
@@ -51,16 +55,42 @@ def test_the_png_is_drawn_and_every_bar_is_its_results_files_figure(tmp_path):
     assert releases == {"SenseNova-U1": "vllm-omni 0.30", "Qwen-Image-2.1": "diffusers 0.42.1"}
 
 
-def test_batch_rows_are_added_as_sensenova_requests_on_0_30(tmp_path):
+def test_batch_rows_are_drawn_per_request_and_step_rows_are_left_out(tmp_path):
     batch = tmp_path / "sensenova-batch.json"
     batch.write_text(json.dumps({"cases": [
-        {"case": "sensenova_t2i_1024_x4", "eager_ms": 17000.0, "ours_ms": 9000.5}]}))
+        {"case": "sensenova_batch_think_t2i_1024_n4", "eager_ms": 17000.0, "ours_ms": 9000.5,
+         "requests": 4},
+        {"case": "sensenova_batch_decode_step_b8", "eager_ms": 7.5, "ours_ms": 8.0}]}))
     out = tmp_path / "requests.png"
     doc = _run("--out", str(out), "--batch", str(batch))
     assert out.read_bytes()[:8] == PNG_MAGIC
     added = [r for r in doc["rows"] if r["file"] == str(batch)]
-    assert added == [{"model": "SenseNova-U1", "request": "sensenova_t2i_1024_x4",
-                      "file": str(batch), "case": "sensenova_t2i_1024_x4",
-                      "release": "vllm-omni 0.30", "release_ms": 17000.0, "plugin_ms": 9000.5,
-                      "speedup": 1.89}]
+    assert added == [{"model": "SenseNova-U1",
+                      "request": "4 concurrent think requests (per request)",
+                      "file": str(batch), "case": "sensenova_batch_think_t2i_1024_n4",
+                      "release": "vllm-omni 0.30", "release_ms": 4250.0, "plugin_ms": 2250.125,
+                      "speedup": 1.89, "requests": 4, "release_total_ms": 17000.0,
+                      "plugin_total_ms": 9000.5}]
+    assert [s["case"] for s in doc["skipped"]] == ["sensenova_batch_decode_step_b8"]
     assert len(doc["rows"]) == len(EXPECTED) + 1
+
+
+def test_the_readme_pictures_concurrent_rows_are_the_batch_results_per_request(tmp_path):
+    doc = _run("--out", str(tmp_path / "requests.png"), "--batch", BATCH_FILE)
+    added = {r["case"]: r for r in doc["rows"] if r["file"] == BATCH_FILE}
+    assert {c: r["request"] for c, r in added.items()} == BATCH_LABELS
+    for case, row in added.items():
+        found = _case(BATCH_FILE, case)
+        n = found["requests"]
+        assert row["requests"] == n == 8
+        assert row["release_ms"] == found["eager_ms"] / n
+        assert row["plugin_ms"] == found["ours_ms"] / n
+        assert row["release_total_ms"] == found["eager_ms"]
+        assert row["plugin_total_ms"] == found["ours_ms"]
+        assert row["speedup"] == round(found["eager_ms"] / found["ours_ms"], 2)
+    # the decode-step rows (ms per token / per step) are not requests
+    with open(os.path.join(ROOT, BATCH_FILE)) as f:
+        cases = json.load(f)["cases"]
+    assert {s["case"] for s in doc["skipped"]} == {c["case"] for c in cases
+                                                   if "requests" not in c}
+    assert len(doc["rows"]) == len(EXPECTED) + len(BATCH_LABELS)

@@ -31,15 +31,6 @@ SHARED = {
 }
 # The names hooks exported before these were shared, kept as aliases of the shared object.
 ALIASES = {"TP": "PARALLEL", "KV_QUANT": "QUANT_KV", "HOOKED": "HOOKS"}
-# Defined in modules another change is editing at the same time; each folds into the shared
-# reason named (and its entry goes) when that change lands: the last test says when.
-PENDING = {
-    ("vllm_omni_graphdecode.ar_session", "OOM"): "OOM",
-    ("vllm_omni_graphdecode.ar_session", "CAPTURE_FAILED"): "CAPTURE_FAILED",
-    ("vllm_omni_graphdecode.ar_session", "RELEASED"): "RELEASED",
-    ("vllm_omni_graphdecode.batch_decode", "BATCH_CAPTURE_FAILED"): "CAPTURE_FAILED",
-    ("vllm_omni_graphdecode.batch_decode", "BATCH_RELEASED"): "RELEASED",
-}
 
 
 def _modules():
@@ -51,17 +42,6 @@ def _modules():
     return found
 
 
-def _pending_objects() -> dict[int, str]:
-    objects = {}
-    for (module, name), shared in PENDING.items():
-        try:
-            value = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):  # renamed or folded already
-            continue
-        objects[id(value)] = shared
-    return objects
-
-
 def _every_reason():
     """(module name, attribute, Reason) for every module-level Reason of the package."""
     return [(m.__name__, name, value) for m in _modules() for name, value in vars(m).items()
@@ -69,18 +49,14 @@ def _every_reason():
 
 
 def test_every_reason_key_belongs_to_one_reason():
-    pending = _pending_objects()
     by_key: dict[str, dict[int, str]] = {}
     for module, name, reason in _every_reason():
-        if id(reason) in pending:
-            continue
         by_key.setdefault(reason.key, {})[id(reason)] = f"{module}.{name}"
     doubled = {key: sorted(where.values()) for key, where in by_key.items() if len(where) > 1}
     assert doubled == {}, "one key, several Reason objects (define it once and import it)"
 
 
 def test_a_meaning_two_hooks_share_is_the_shared_reason_wherever_it_is_met():
-    pending = _pending_objects()
     wrong = []
     for module, name, reason in _every_reason():
         shared = [n for n, words in SHARED.items()
@@ -89,7 +65,7 @@ def test_a_meaning_two_hooks_share_is_the_shared_reason_wherever_it_is_met():
         if canonical in SHARED and canonical not in shared:
             shared.append(canonical)
         for meaning in shared:
-            if reason is getattr(reasons, meaning) or pending.get(id(reason)) == meaning:
+            if reason is getattr(reasons, meaning):
                 continue
             wrong.append(f"{module}.{name} ({reason.key!r}) means reasons.{meaning}")
     assert wrong == []
@@ -120,13 +96,3 @@ def test_a_hook_adds_its_case_as_detail_and_the_key_stays_shared():
     specific = reasons.NOT_CUDA.because("device is cpu")
     assert specific.key == reasons.NOT_CUDA.key and specific.hint == reasons.NOT_CUDA.hint
     assert reasons.NOT_CUDA.same(specific) and specific.detail == "device is cpu"
-
-
-def test_pending_entries_are_still_pending():
-    """When the other change folds one in, its PENDING entry must go (this fails to say so)."""
-    for (module, name), shared in PENDING.items():
-        try:
-            value = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        assert value is not getattr(reasons, shared), f"{module}.{name} is shared now: drop it"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import batch_decode, batch_kv, config, loading, stats, turns
+from vllm_omni_graphdecode import batch_decode, batch_kv, config, loading, reasons, stats, turns
 from vllm_omni_graphdecode.cuda_graphs import CaptureFailed
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
@@ -340,7 +340,7 @@ def test_no_room_hands_the_longest_row_back_and_it_finishes_eagerly(checkpoint, 
     monkeypatch.setattr(decoder.cache, "free", decoder.cache.free[:3])
     outs = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert outs == want
-    assert stats.fallbacks(MODEL).get(f"{MODEL}: {batch_decode.NO_ROOM}", 0) >= 1
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.OOM}", 0) >= 1
 
 
 def test_release_mid_batch_hands_the_rows_back_and_the_next_forward_batches_again(
@@ -360,7 +360,7 @@ def test_release_mid_batch_hands_the_rows_back_and_the_next_forward_batches_agai
     monkeypatch.setattr(batch_mod.RowSession, "decode", decode)
     outs = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert outs == want
-    assert stats.fallbacks(MODEL).get(f"{MODEL}: {batch_decode.BATCH_RELEASED}", 0) >= 1
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.RELEASED}", 0) >= 1
     decoder = getattr(pipe, hook.STATE_ATTR).batch.decoder
     assert decoder.cache.num_blocks == 0  # dropped once the last row left
     monkeypatch.setattr(batch_mod.RowSession, "decode", real)
@@ -380,7 +380,7 @@ def test_a_failed_capture_hands_the_rows_back_with_their_tokens(checkpoint, monk
     monkeypatch.setattr(batch_decode.BatchProgram, "run", run)
     outs = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert outs == want
-    key = f"{MODEL}: {batch_decode.BATCH_CAPTURE_FAILED}"
+    key = f"{MODEL}: {reasons.CAPTURE_FAILED}"
     assert stats.fallbacks(MODEL).get(key, 0) == len(requests)
 
 

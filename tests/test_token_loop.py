@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, kernels, paged_decode, stats
+from vllm_omni_graphdecode import config, kernels, paged_decode, paged_tiers, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.testing import random_models as st
 from vllm_omni_graphdecode.token_loop import Sampling, pick
@@ -198,14 +198,12 @@ def test_sampled_text_is_reproducible_with_a_seed_and_follows_the_temperature(ti
 
 
 def test_a_tier_keeps_the_programs_of_two_sampling_temperatures_at_most(tiny):
-    from vllm_omni_graphdecode import ar_session
-
     pipe = _pipeline(tiny, 8)
     for t in (0.5, 0.6, 0.7):
         _sampled(pipe, tiny, seed=1, temperature=t, steps=12)
     for tier in getattr(pipe, hook.STATE_ATTR).decoder.tiers:
         sampled = [key[1].temperature for key in tier.programs if key[1] is not None]
-        assert len(sampled) <= ar_session.SAMPLED_PROGRAMS and 0.5 not in sampled
+        assert len(sampled) <= paged_tiers.SAMPLED_PROGRAMS and 0.5 not in sampled
 
 
 def test_a_text_loop_whose_temperature_is_not_a_number_keeps_its_own_draws(tiny):

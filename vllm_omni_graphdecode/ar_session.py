@@ -4,11 +4,8 @@ Model-agnostic. A model hook supplies a ``StepModel`` (its static inputs and one
 a ``PagedKVCache``) and a gate (why a request may not take this path); this module does the rest
 of what every autoregressive model would repeat:
 
-- ``PagedDecoder``: the paged buffers and their graphs for one model, in two tiers. The *pinned*
-  tier is the first allocation (the pre-capture buckets, or the first request's) and is never
-  reallocated, so its graphs survive a longer request; a request that outgrows it moves, tokens
-  and all, to the *overflow* tier, which grows in the bucket schedule and drops only its own
-  graphs when it does. Under memory pressure the pinned tier gives way (one tier, as before).
+- ``PagedDecoder`` (``paged_tiers``): the paged buffers and their graphs for one model, in a
+  pinned and an overflow tier.
 - ``ARSessions``: the per-pipeline gate and the life of each request's session:
   ``open`` (the gate, then the pipeline's lock: one sequence decodes on the paged path at a
   time; a request from another thread waits for it, then takes the path itself. Waiting, not
@@ -30,15 +27,18 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from . import stats
 from .cuda_graphs import CaptureFailed, is_oom
-from .paged_decode import DecodeGraphRunner, PagedKVCache
-from .reasons import Reason
-from .token_loop import Lookahead, Sampling, TokenProgram
+from .paged_tiers import PagedDecoder, StepModel
+from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from .token_loop import Lookahead, Sampling
+
+__all__ = ["ARSessions", "BUSY", "CACHE_SHAPE", "CAPTURE_FAILED", "OOM", "PagedDecoder",
+           "RELEASED", "Session", "StepModel", "dynamic_cache_reason"]
 
 logger = stats.logger
 
@@ -49,36 +49,8 @@ BUSY = Reason("another request is decoding on this pipeline",
 # How long a request waits for the one decoding before it: decode loops are bounded (a
 # 1024-token think is ~7 s on the graph path, ~60 s eagerly on vllm-omni 0.26).
 WAIT_S = 300.0
-# Sampling temperatures whose multi-token programs (and graphs) a tier keeps at once.
-SAMPLED_PROGRAMS = 2
-OOM = Reason("out of memory allocating paged K/V",
-             "lower VLLM_OMNI_GRAPHDECODE_BUCKETS / _PRECAPTURE_BUCKETS or free device memory")
-CAPTURE_FAILED = Reason("graph capture failed",
-                        "report it with the log; sleep level 2 (release_captured_graphs) retries "
-                        "capture")
 CACHE_SHAPE = Reason("prefix cache is not one bf16/fp16 sequence",
                      "nothing to change (the pipeline decodes one sequence), or serve in bf16/fp16")
-RELEASED = Reason("graphs released (sleep) during this request",
-                  "nothing to change: the request finishes eagerly; the next one captures again")
-
-
-class StepModel(Protocol):
-    """What a hook supplies: one decode step of its model over a ``PagedKVCache``.
-
-    ``forward(cache)`` reads only static tensors (the model's weights, the inputs written by
-    ``set_inputs``, the cache's buffers and device state) and returns the logits; it is what a
-    graph records. ``set_inputs`` writes the step's token and position into those tensors in place.
-    """
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    device: torch.device
-    writer: Callable | None  # the cache's one-kernel K/V writer, or None
-
-    def set_inputs(self, token, position: int) -> None: ...
-
-    def forward(self, cache: PagedKVCache) -> torch.Tensor: ...
 
 
 def dynamic_cache_reason(cache, kernel) -> Reason | None:
@@ -90,202 +62,6 @@ def dynamic_cache_reason(cache, kernel) -> Reason | None:
     if kernel.fa_version is not None and keys.dtype not in (torch.float16, torch.bfloat16):
         return CACHE_SHAPE.because(f"dtype {keys.dtype}")
     return None
-
-
-class _Tier:
-    def __init__(self, decoder: "PagedDecoder", length: int, dtype):
-        m = decoder.model
-        self.decoder = decoder
-        self.cache = PagedKVCache(m.num_layers, m.kv_heads, m.head_dim, dtype=dtype,
-                                  device=m.device, buckets=decoder.buckets, kernel=decoder.kernel,
-                                  length=length, writer=m.writer)
-        self.runner = DecodeGraphRunner(self.step, self.cache, model=decoder.name,
-                                        graphs=decoder.graphs, verify=decoder.verify,
-                                        pool=decoder.pool)
-        # (k, sampling) -> program; sampling None: greedy
-        self.programs: dict[tuple[int, Sampling | None], TokenProgram] = {}
-
-    def step(self) -> torch.Tensor:
-        self.cache.begin_step()
-        return self.decoder.model.forward(self.cache)
-
-    def program(self, k: int, sampling: Sampling | None = None) -> TokenProgram:
-        """The ``k``-token program over this tier's cache (``token_loop``), greedy or sampling.
-        At most ``SAMPLED_PROGRAMS`` sampling temperatures keep their programs (and graphs):
-        the least recently used goes first."""
-        key = (k, sampling)
-        program = self.programs.pop(key, None)
-        if program is None:
-            d = self.decoder
-            program = TokenProgram(d.model, self.cache, k, self.step, name=d.name,
-                                   graphs=d.graphs, verify=d.verify, pool=d.pool,
-                                   sampling=sampling)
-            sampled = [other for other in self.programs if other[1] is not None]
-            if sampling is not None and len(sampled) >= SAMPLED_PROGRAMS:
-                self.programs.pop(sampled[0]).runner.drop_graphs()
-        self.programs[key] = program  # re-inserted: the dict's order is the order of use
-        return program
-
-    @property
-    def runners(self) -> list[DecodeGraphRunner]:
-        return [self.runner] + [p.runner for p in self.programs.values()]
-
-    def drop_graphs(self) -> None:
-        for runner in self.runners:
-            runner.drop_graphs()
-
-    def reset(self) -> None:
-        for runner in self.runners:
-            runner.reset()
-
-    def release(self) -> None:
-        self.drop_graphs()
-        self.cache.release()
-
-
-class PagedDecoder:
-    """One model's paged decode: ``begin`` a sequence from its prefill cache, ``step`` token by
-    token, ``write_back`` the decoded K/V. See the module docstring for the two tiers.
-
-    ``step`` returns the logits; with graphs this is the graph's static output, overwritten by the
-    next step. On an exception (OOM while growing, ``CaptureFailed``) the current tier still holds
-    exactly the tokens before the failed step.
-    """
-
-    def __init__(self, model: StepModel, *, name: str, kernel, buckets: Sequence[int],
-                 graphs: bool = True, verify: bool = False, pool=None, tokens_per_launch: int = 1):
-        self.model = model
-        self.name = name
-        self.kernel = kernel
-        self.buckets = tuple(buckets)
-        self.graphs = graphs
-        self.verify = verify
-        self.pool = pool
-        self.tokens_per_launch = tokens_per_launch
-        self.pinned: _Tier | None = None
-        self.overflow: _Tier | None = None
-        self.current: _Tier | None = None
-
-    @property
-    def tiers(self) -> list[_Tier]:
-        return [t for t in (self.pinned, self.overflow) if t is not None]
-
-    @property
-    def cache(self) -> PagedKVCache | None:
-        return self.current.cache if self.current else None
-
-    @property
-    def num_graphs(self) -> int:
-        return sum(r.num_graphs for t in self.tiers for r in t.runners)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.cache.nbytes for t in self.tiers)
-
-    def _fits(self, tier: _Tier | None, dtype) -> bool:
-        m = self.model
-        return tier is not None and tier.cache.fits(m.num_layers, m.kv_heads, m.head_dim, dtype,
-                                                    m.device)
-
-    def _pinned(self, length: int, dtype) -> _Tier:
-        if not self._fits(self.pinned, dtype):
-            self.release()
-            self.pinned = _Tier(self, length, dtype)
-        return self.pinned
-
-    def _overflow(self, length: int, dtype, *, pinned_may_go: bool) -> _Tier:
-        if self._fits(self.overflow, dtype):
-            return self.overflow
-        try:
-            self.overflow = _Tier(self, length, dtype)
-        except Exception as exc:
-            # pinned_may_go: no request's tokens live in the pinned tier (a request starts). Then,
-            # with no room for both, it gives way with its graphs: one tier from now on.
-            if not (is_oom(exc) and pinned_may_go and self.pinned is not None):
-                raise
-            self.release()
-            self.pinned = _Tier(self, length, dtype)
-            return self.pinned
-        return self.overflow
-
-    @torch.inference_mode()
-    def begin(self, past_key_values) -> int:
-        """Load the prefill ``DynamicCache``; returns its length. May raise an OOM (nothing kept)."""
-        keys = past_key_values.layers[0].keys
-        need, dtype = keys.shape[2] + 1, keys.dtype
-        tier = self._pinned(need, dtype)
-        if need > tier.cache.capacity:
-            tier = self._overflow(need, dtype, pinned_may_go=True)
-        tier.reset()
-        self.current = tier
-        return tier.cache.load(past_key_values)
-
-    def room(self, n: int) -> _Tier:
-        """Make the current tier hold ``n`` tokens, moving to the overflow tier (the valid tokens
-        with it) when the pinned one is too small. Returns the current tier."""
-        tier = self.current
-        if n > tier.cache.capacity and tier is self.pinned:
-            over = self._overflow(n, tier.cache.dtype, pinned_may_go=False)
-            if over is not tier:
-                over.cache.copy_from(tier.cache, tier.cache.length)
-                over.reset()
-                self.current = tier = over
-        return tier
-
-    def lookahead(self, *, stops=(), limit: int | None = None,
-                  sampling: Sampling | None = None) -> Lookahead:
-        """A loop's token server over this decoder (``token_loop``): greedy, or sampling as
-        ``sampling`` says."""
-        return Lookahead(self, self.tokens_per_launch, stops=stops, limit=limit,
-                         sampling=sampling)
-
-    @torch.inference_mode()
-    def step(self, token, position: int) -> torch.Tensor:
-        """Decode ``token`` (a (1,) long tensor or an int) at ``position``."""
-        n = self.current.cache.length + 1
-        tier = self.room(n)
-        tier.cache.reserve(n)
-        tier.cache.set_length(n)
-        try:
-            self.model.set_inputs(token, position)
-            return tier.runner.step()
-        except BaseException:
-            tier.cache.set_length(n - 1)
-            raise
-
-    @torch.inference_mode()
-    def write_back(self, past_key_values) -> None:
-        self.current.cache.write_back(past_key_values)
-
-    @torch.inference_mode()
-    def precapture(self, buckets: Sequence[int], dtype) -> float:
-        """Allocate the pinned tier for the largest of ``buckets`` and capture each bucket's graph
-        there. Returns capture seconds."""
-        tier = self._pinned(max(buckets), dtype)
-        tier.cache.reserve(max(buckets))
-        tier.cache.set_length(1)  # step 0 writes slot 0; the next load() overwrites it
-        seconds = 0.0
-        k = self.tokens_per_launch
-        for bucket in sorted(buckets):
-            tier.cache.reserve(bucket)
-            seconds += tier.runner.capture()
-            if k > 1 and bucket >= k:
-                # A launch starting at the first token writes rows 0..k-1: harmless, as above.
-                program = tier.program(k)
-                program.start_length.fill_(1)
-                seconds += program.runner.capture()
-        self.current = tier
-        return seconds
-
-    def drop_graphs(self) -> None:
-        for tier in self.tiers:
-            tier.drop_graphs()
-
-    def release(self) -> None:
-        """Drop every graph and buffer."""
-        for tier in self.tiers:
-            tier.release()
-        self.pinned = self.overflow = self.current = None
 
 
 class ARSessions:

@@ -30,7 +30,8 @@ How:
 
 Counted under the model's key: ``batch_launch``, ``batch_rows`` (rows decoded, summed over
 launches: their ratio is the mean batch), ``batch_capture``, ``batch_row_join``,
-``batch_eager_launch``; fallbacks by reason.
+``batch_eager_launch``; hand-backs under the shared reasons (``OOM``: no room in the pool,
+``CAPTURE_FAILED``, ``RELEASED``), their detail saying "batch".
 """
 
 from __future__ import annotations
@@ -45,19 +46,9 @@ import torch
 from . import cuda_graphs, stats, turns
 from .batch_kv import BatchKV, blocks_for
 from .cuda_graphs import CaptureFailed, is_oom
-from .reasons import Reason
+from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
 
 logger = stats.logger
-
-NO_ROOM = Reason("no room in the batch's paged K/V",
-                 "lower --max-num-seqs or VLLM_OMNI_GRAPHDECODE_BUCKETS, or free device memory; "
-                 "the request finishes eagerly")
-BATCH_CAPTURE_FAILED = Reason("batch decode graph capture failed",
-                              "report it with the log; sleep level 2 (release_captured_graphs) "
-                              "retries capture")
-BATCH_RELEASED = Reason("batch decode released (sleep) during this request",
-                        "nothing to change: the request finishes eagerly; the next one decodes "
-                        "in the batch again")
 
 # Multipliers of the counter-based hash (splitmix64's); int64 arithmetic wraps in torch.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -371,17 +362,19 @@ class BatchDecoder:
                 return
             if self._released:
                 for row in waiting:
-                    self.hand_back(row, BATCH_RELEASED)
+                    self.hand_back(row, RELEASED.because("batched decode"))
                 return
             if self.capture_failed is not None:
                 for row in waiting:
-                    self.hand_back(row, BATCH_CAPTURE_FAILED.because(self.capture_failed))
+                    self.hand_back(row, CAPTURE_FAILED.because(f"batched decode: "
+                                                               f"{self.capture_failed}"))
                 return
             for row in sorted(waiting, key=lambda r: r.length):
                 if not self._reserve(row.index, row.length + 1 + self.k):
-                    self.hand_back(row, NO_ROOM.because(
-                        f"row {row.index} at {row.length} tokens, {len(self.cache.free)} free "
-                        f"blocks"))
+                    self.hand_back(row, OOM.because(
+                        f"no room in the batch's paged K/V for row {row.index} at {row.length} "
+                        f"tokens ({len(self.cache.free)} free blocks): lower --max-num-seqs or "
+                        f"the buckets"))
             waiting = [r for r in waiting if r.live]
             if not waiting:
                 return
@@ -414,7 +407,8 @@ class BatchDecoder:
         except CaptureFailed as exc:
             self.capture_failed = str(exc)[:300]
             for r in waiting:
-                self.hand_back(r, BATCH_CAPTURE_FAILED.because(self.capture_failed))
+                self.hand_back(r, CAPTURE_FAILED.because(f"batched decode: "
+                                                         f"{self.capture_failed}"))
             return
         if not self.graphs:
             stats.count(self.name, "batch_eager_launch")

@@ -232,7 +232,7 @@ class _Launch:
 class Lookahead:
     """Serves one request's loop from multi-token launches (see the module docstring).
 
-    ``decoder`` is the ``ar_session.PagedDecoder`` (its current tier, ``room`` and ``step``);
+    ``decoder`` is the ``paged_tiers.PagedDecoder`` (its current tier, ``room`` and ``step``);
     ``stops``: token ids after which the loop feeds nothing more (its end tokens; a token it
     feeds and then stops on, like ``</think>``, belongs here too); ``limit``: the most tokens the
     loop feeds, or None; ``sampling``: how the loop draws its tokens, or None (argmax).

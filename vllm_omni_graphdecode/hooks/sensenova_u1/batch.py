@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 
 import torch
 
@@ -38,7 +37,7 @@ from ... import stats, turns
 from ...batch_decode import BatchDecoder, RowSampling, choose
 from ...batch_kv import BatchKV, blocks_for, select_attention
 from ...patching import HookRefused, check_signature
-from ...reasons import Reason
+from ...reasons import CAPTURE_FAILED, OOM, Reason
 from ...token_loop import HostLogits
 from . import layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
@@ -158,9 +157,7 @@ class BatchWiring:
             return self.attention
         reason = rules.gate(self.pipeline, self.lm, kernel=None)
         if reason is None and self.decoder is not None and self.decoder.capture_failed:
-            from ...batch_decode import BATCH_CAPTURE_FAILED
-
-            reason = BATCH_CAPTURE_FAILED.because(self.decoder.capture_failed)
+            reason = CAPTURE_FAILED.because(f"batched decode: {self.decoder.capture_failed}")
         return reason
 
     def precapture(self) -> str:
@@ -406,9 +403,8 @@ def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
         return None
     row = decoder.join(cache, sampling)
     if row is None:
-        from ...batch_decode import NO_ROOM
-
-        stats.fallback(MODEL, NO_ROOM.because("no free row or block at join"))
+        stats.fallback(MODEL, OOM.because("no free row or block in the batch's paged K/V at "
+                                          "join: lower --max-num-seqs or the buckets"))
         return None
     return RowSession(batch, row, think)
 
