@@ -114,6 +114,7 @@ class Structure:
     compiled: str | None = None
     lora: str | None = None
     sharded: str | None = None
+    kv_cache_dtype: str | None = None  # a quantized K/V cache dtype some module carries
 
 
 def scan(root: torch.nn.Module, label: str | None = None) -> Structure:
@@ -135,6 +136,10 @@ def scan(root: torch.nn.Module, label: str | None = None) -> Structure:
             found.lora = f"{where} is {type(module).__name__}"
         if found.sharded is None and fsdp(module):
             found.sharded = f"{where} is {type(module).__name__}"
+        if found.kv_cache_dtype is None:
+            dtype = getattr(module, "_kv_cache_dtype", None)
+            if dtype not in (None, "auto", "float"):
+                found.kv_cache_dtype = f"{dtype} on {where}"
     return found
 
 

@@ -174,6 +174,13 @@ def _ours(current, attr: str):
     return None
 
 
+def runner_releases_pipeline(runner) -> bool:
+    """vllm-omni 0.30's runner: its ``release_captured_graphs`` (what sleep level 2 calls) calls
+    the pipeline's own ``release_captured_graphs``, so a hook that sets that on the pipeline is
+    reached without registering anything on the runner."""
+    return runner is not None and _release_attr(runner) == "release_captured_graphs"
+
+
 def can_release_on_sleep(runner) -> Reason | None:
     """Why sleep could not reach this runner's release callbacks, or None (checked at wiring)."""
     if runner is None or _release_attr(runner) == "release_captured_graphs":

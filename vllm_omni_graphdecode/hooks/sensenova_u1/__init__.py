@@ -1,45 +1,53 @@
-"""SenseNova-U1: think and text decode through paged K/V and one CUDA graph per length bucket.
+"""SenseNova-U1: think and text decode through paged K/V and CUDA graphs, one request at a time
+or several together; image denoising replayed as CUDA graphs.
 
 Why: SenseNova-U1 decodes its think text (before an image) and its text answers one token per
 ``language_model`` call inside the pipeline's own loop, with a ``DynamicCache`` that grows by
-``torch.cat``. Measured on an H200 (README, Performance): vllm-omni 0.26's eager loop runs
-57-70 ms/token, 0.30's 23-26; the paged graph path 6.6-7.1 ms/token. Upstream measured the same
-change on an A800 as think decode 16.1 s eager -> 6.2 s paged -> 3.5 s paged + graph.
+``torch.cat``; every token reads all of the understanding weights. The figures (eager against
+paged + graph, per vllm-omni release, and requests served together) are in
+docs/performance.md, each linked to its results folder. Upstream reported the same change on an
+A800 as think decode 16.1 s eager -> 6.2 s paged -> 3.5 s paged + graph (the project's
+shared/FACTS.md, section 5; the pull request was not recorded there).
 
 Files, one concern each:
 
     layouts.py     the vllm-omni code layouts (0.24-0.28 "backport", 0.30 "in-tree") and every
                    signature checked before patching
-    rules.py       the gate: why a request runs eagerly (TP, offload, compile, KV quant, hooks)
+    rules.py       the gate: why a request runs eagerly (TP, offload, compile, KV quant, hooks),
+                   one walk of the model per request
     step.py        the one-token step over paged K/V (the attention branch, the static inputs)
-    fused_step.py  vllm's fused norms, residual add and SiLU; on 0.24-0.28 also rope once per
-                   step (delete that part with the backport layout)
-    wiring.py      install(): the pipeline methods patched, sleep release, pre-capture
+    fused_step.py  vllm's fused norms and SiLU; on 0.24-0.28 also rope once per step (delete that
+                   part with the backport layout); opt-in tuned GEMVs
+    ops.py         one rms_norm, rope-table and q/k-norm + rope, shared by the bodies below
+    batch.py       requests decoding together under --max-num-seqs > 1: the engine's declaration,
+                   the batched forward, the 16-row step
+    wiring.py      install() / unwire(): the pipeline methods patched (through one
+                   patching.Patches), sleep release, pre-capture
     denoise.py     image denoising: each CFG branch's step replayed over static prefix + image
-                   K/V buffers (``prefix_graph``), opt-in with
-                   VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph, on every layout
+                   K/V buffers (``prefix_graph``); ``fast_denoise.py`` its restated body
 
-The session mechanism (one sequence at a time, hand-backs, LoRA, release) is model-agnostic:
-``vllm_omni_graphdecode.ar_session``.
+The mechanisms are model-agnostic: ``ar_session`` / ``paged_tiers`` (one sequence at a time,
+hand-backs, LoRA, release), ``batch_decode`` / ``batch_kv`` / ``turns`` (several together).
 
 vllm-omni 0.30 ships its own paged decode (``_decode_context``). By default this hook defers to
-it and wires nothing; with ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover`` the in-tree
-context is replaced by one that returns None (so it cannot run too) and this hook's path runs.
+it for one request at a time; with ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover``, or
+whenever the engine batches (``--max-num-seqs`` above 1), the in-tree context is replaced by one
+that returns None (so it cannot run too) and this hook's path runs.
 
 Both loops take several tokens per graph launch, each next token chosen on the device
-(``vllm_omni_graphdecode.token_loop``): by argmax (the think loop; the text loop by default), or,
-for a text loop that samples, drawn on the device with the loop's own softmax and multinomial at
-its temperature.
+(``vllm_omni_graphdecode.token_loop``, ``batch_decode``): by argmax, or, for a text loop that
+samples, drawn on the device at the loop's temperature.
 
 Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
 ``replay``, ``token_launch`` (multi-token launches), ``host_picked_token`` (tokens near a bucket's
 end, one launch each), ``sampled_request`` (text loops drawn on the device), ``paged_eager_step``
 (paged step without a graph), ``eager_step`` (a step of the pipeline's own decode),
-``lora_request`` (graphs captured for one request only), ``verified`` / ``verify_mismatch``, and
-each fallback by its reason.
+``lora_request`` (graphs captured for one request only), ``verified`` / ``verify_mismatch``, the
+batched path's ``batch_*`` counters (``batch_decode``, ``batch.py``), and each fallback by its
+reason.
 
-Scope: batch 1, greedy or sampled, TP 1. Delete the backport layout and the rope-once part of
-``fused_step.py`` when vllm-omni < 0.30 is no longer supported.
+Scope: TP 1. Delete the backport layout and the rope-once part of ``fused_step.py`` when
+vllm-omni < 0.30 is no longer supported.
 """
 
 from __future__ import annotations
@@ -49,12 +57,12 @@ from .fused_step import UNFUSED, Fusion
 from .layouts import LAYOUTS, Layout, detect_layout
 from .rules import COMPILED, HOOKED, KV_QUANT, OFFLOAD, TP
 from .step import MODEL, PAGED_KWARG, paged_decoder
-from .wiring import STATE_ATTR, install
+from .wiring import STATE_ATTR, install, unwire
 
 __all__ = ["BUSY", "CAPTURE_FAILED", "COMPILED", "Fusion", "HOOKED", "KV_QUANT", "LAYOUTS",
            "Layout", "MODEL", "OFFLOAD", "OOM", "PAGED_KWARG", "RELEASED", "STATE_ATTR", "TP",
            "UNFUSED", "declare_batching", "detect_layout", "find_target", "install",
-           "paged_decoder", "support", "wire"]
+           "paged_decoder", "support", "unwire", "wire"]
 
 
 def support() -> dict[str, str]:

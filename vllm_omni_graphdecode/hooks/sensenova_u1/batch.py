@@ -107,7 +107,7 @@ class BatchWiring:
     """What ``wiring.install`` attaches when the engine batches SenseNova-U1's requests."""
 
     def __init__(self, pipeline, layout, cfg, rows: int, *, attention=None, graphs=None,
-                 writer=None):
+                 writer=None, refusal=None, lora=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -120,6 +120,10 @@ class BatchWiring:
         self.graphs = (device.type == "cuda" and not isinstance(self.attention, Reason)
                        if graphs is None else graphs)
         self.writer = writer
+        # The pipeline's gate and LoRA check (``wiring.Wiring``: decided once per structure
+        # change), or the rules' own walks.
+        self._refusal = refusal or (lambda: rules.gate(pipeline, self.lm, kernel=None))
+        self.lora = lora or (lambda: rules.lora_present(self.lm))
         self.decoder: BatchDecoder | None = None
         self.lock = threading.Lock()
         self._gate_reason: Reason | None = None
@@ -155,7 +159,7 @@ class BatchWiring:
         """Why this ``forward``'s loops decode eagerly, or None (checked once per forward)."""
         if isinstance(self.attention, Reason):
             return self.attention
-        reason = rules.gate(self.pipeline, self.lm, kernel=None)
+        reason = self._refusal()
         if reason is None and self.decoder is not None and self.decoder.capture_failed:
             reason = CAPTURE_FAILED.because(f"batched decode: {self.decoder.capture_failed}")
         return reason
@@ -166,7 +170,7 @@ class BatchWiring:
         reason = self.refusal()
         if reason is not None:
             return f"batch pre-capture skipped: {reason.key}"
-        if rules.lora_present(self.lm):
+        if self.lora():
             return "batch pre-capture skipped: dynamic LoRA wrappers present"
         try:
             if self.device.type == "cuda":
@@ -294,7 +298,7 @@ def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason | None = 
         decoder = batch._decoder() if reason is None else None
         # LoRA wrappers switch adapters by Python branches a capture would freeze: the batch's
         # graphs then live for this forward only (the engine batches one adapter at a time).
-        per_forward = decoder is not None and rules.lora_present(batch.lm)
+        per_forward = decoder is not None and batch.lora()
         if per_forward:
             decoder.drop_graphs()
             stats.count(MODEL, "batch_lora_forward")

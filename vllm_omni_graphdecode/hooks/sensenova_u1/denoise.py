@@ -458,7 +458,8 @@ def _attention_backend(language_model) -> str:
     return type(getattr(attn, "attention", attn)).__name__
 
 
-def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None, runner=None):
+def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None, runner=None,
+            patches=None):
     """Patch ``pipeline``'s branch step and denoising loop; returns the ``Denoiser``.
     HookRefused (nothing patched) when the code moved. ``runner``: the one sleep's release was
     registered on (``patching.release_on_sleep``); each branch's first step then checks that
@@ -481,8 +482,9 @@ def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = Non
 
     _t2i_predict_v.__graphdecode__ = True
     _run_denoising_loop.__graphdecode__ = True
-    pipeline._t2i_predict_v = _t2i_predict_v
-    pipeline._run_denoising_loop = _run_denoising_loop
+    patches = patches if patches is not None else patching.Patches()
+    patches.set(pipeline, "_t2i_predict_v", _t2i_predict_v)
+    patches.set(pipeline, "_run_denoising_loop", _run_denoising_loop)
     return denoiser
 
 

@@ -139,13 +139,18 @@ class Fusion:
             parts.append("Inductor GEMVs")
         return parts
 
-    def patch_layers(self, language_model) -> None:
+    def patch_layers(self, language_model, patches=None) -> None:
         """Give every decoder layer its fused one-token variant (idempotent; inert without
-        ``PAGED_KWARG`` or when the step's fusion has no layer ops)."""
+        ``PAGED_KWARG`` or when the step's fusion has no layer ops). ``patches``: as
+        ``step.patch_attention``."""
         for layer in language_model.model.layers:
             current = layer._forward_und
             if not getattr(current, "__graphdecode__", False):
-                layer._forward_und = _fused_layer_forward_und(layer, current)
+                patched = _fused_layer_forward_und(layer, current)
+                if patches is not None:
+                    patches.set(layer, "_forward_und", patched)
+                else:
+                    layer._forward_und = patched
 
     def project_and_rope(self, attn, hidden_states, indexes, step):
         """The backport layout's ``_project_and_rope`` on its fused-kernel path, with the tables

@@ -1,9 +1,11 @@
 """Why a SenseNova-U1 request cannot take the paged graph path: the hook's one gate.
 
-``gate(pipeline, language_model, kernel)`` returns the first reason that applies, or None. Each
-reason is a ``Reason`` with its hint; the request then runs the pipeline's own eager code and the
-reason is counted and logged once (``ar_session.ARSessions.open``). Checked at every request's
-start, so offload, hooks, LoRA or compile applied after load are seen.
+``verdict(pipeline, language_model)`` returns (the first reason that applies or None, whether
+LoRA wrappers are present) from one walk of the language model (``eligibility.scan``), once per
+request (the think or text loop's start, or a batched forward), so offload, hooks, LoRA or
+compile applied after load are seen by the next request; nothing is checked per decode step.
+Each reason is a ``Reason`` with its hint; the request then runs the pipeline's own eager code and
+the reason is counted and logged once. ``gate`` is the reason alone, with the paged kernel's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ TP = PARALLEL  # tensor parallel > 1: the captured step would hold collectives
 KV_QUANT = QUANT_KV  # the paged kernel reads the cache unquantized
 HOOKED = HOOKS
 
-__all__ = ["COMPILED", "HOOKED", "KV_QUANT", "OFFLOAD", "TP", "gate", "lora_present"]
+__all__ = ["COMPILED", "HOOKED", "KV_QUANT", "OFFLOAD", "TP", "gate", "lora_present", "verdict"]
 
 _OFFLOAD_FLAGS = ("enable_cpu_offload", "enable_layerwise_offload",
                   "enable_distributed_layerwise_offload")
@@ -34,37 +36,38 @@ def _tensor_parallel(pipe) -> int:
     return tp
 
 
-def _kv_cache_dtype(pipe, lm):
-    dtype = getattr(getattr(pipe, "od_config", None), "diffusion_kv_cache_dtype", None)
-    if dtype in (None, "auto", "float"):
-        dtype = next((m._kv_cache_dtype for m in lm.modules()
-                      if getattr(m, "_kv_cache_dtype", None) not in (None, "auto", "float")), None)
-    return dtype
+def verdict(pipe, lm) -> tuple[Reason | None, bool]:
+    """(The first reason this pipeline's requests run eagerly now, or None; whether dynamic LoRA
+    wrappers are present), from one walk of ``lm``."""
+    tp = _tensor_parallel(pipe)
+    if tp > 1:
+        return TP.because(f"tensor parallel size {tp}"), False
+    od = getattr(pipe, "od_config", None)
+    flags = [f for f in _OFFLOAD_FLAGS if getattr(od, f, False)]
+    if flags:
+        return OFFLOAD.because(", ".join(flags)), False
+    found = eligibility.scan(lm, "language_model")
+    lora = found.lora is not None
+    if found.offload:
+        return OFFLOAD.because(found.offload), lora
+    if found.compiled:
+        return COMPILED.because(found.compiled), lora
+    dtype = getattr(od, "diffusion_kv_cache_dtype", None)
+    if dtype not in (None, "auto", "float"):
+        return KV_QUANT.because(f"kv_cache_dtype={dtype}"), lora
+    if found.kv_cache_dtype is not None:
+        return KV_QUANT.because(f"kv_cache_dtype={found.kv_cache_dtype}"), lora
+    if found.hooks:
+        return HOOKED.because(found.hooks), lora
+    return None, lora
 
 
 def gate(pipe, lm, kernel) -> Reason | None:
     """The first reason this pipeline's requests run eagerly now, or None. ``kernel`` is what
-    ``kernels.select_kernel`` found: a kernel, or its own ``Reason``."""
+    ``kernels.select_kernel`` found: a kernel, or its own ``Reason`` (None: not asked)."""
     if isinstance(kernel, Reason):
         return kernel
-    tp = _tensor_parallel(pipe)
-    if tp > 1:
-        return TP.because(f"tensor parallel size {tp}")
-    od = getattr(pipe, "od_config", None)
-    flags = [f for f in _OFFLOAD_FLAGS if getattr(od, f, False)]
-    if flags:
-        return OFFLOAD.because(", ".join(flags))
-    found = eligibility.scan(lm, "language_model")
-    if found.offload:
-        return OFFLOAD.because(found.offload)
-    if found.compiled:
-        return COMPILED.because(found.compiled)
-    dtype = _kv_cache_dtype(pipe, lm)
-    if dtype is not None:
-        return KV_QUANT.because(f"kv_cache_dtype={dtype}")
-    if found.hooks:
-        return HOOKED.because(found.hooks)
-    return None
+    return verdict(pipe, lm)[0]
 
 
 def lora_present(lm) -> bool:

@@ -127,13 +127,17 @@ def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verif
                         verify=verify, pool=pool, tokens_per_launch=tokens_per_launch)
 
 
-def patch_attention(language_model, layout: layouts.Layout) -> None:
+def patch_attention(language_model, layout: layouts.Layout, patches=None) -> None:
     """Give every attention layer the paged single-token branch. Idempotent; inert without
-    ``PAGED_KWARG``."""
+    ``PAGED_KWARG``. ``patches`` (``patching.Patches``): where ``unwire`` finds what to undo."""
     for attn in layouts.attention_modules(language_model):
         current = attn.forward_und
         if not getattr(current, "__graphdecode__", False):
-            attn.forward_und = _paged_forward_und(attn, current, layout)
+            patched = _paged_forward_und(attn, current, layout)
+            if patches is not None:
+                patches.set(attn, "forward_und", patched)
+            else:
+                attn.forward_und = patched
 
 
 def _paged_forward_und(attn, original, layout: layouts.Layout):

@@ -10,8 +10,12 @@ At load (``install``): every method patched or called is checked first (``layout
   ``takeover`` (so the in-tree path cannot run too); under ``defer`` nothing is wired at all;
 - ``release_captured_graphs`` on the pipeline drops this plugin's graphs (and the in-tree ones),
   reached at sleep level 2 (0.30's runner calls it; on 0.24-0.28 through the runner's
-  ``graph_runners.clear()``, the only call those workers make);
+  ``graph_runners.clear()``, the only call those workers make); each request checks, in constant
+  time, that sleep still reaches it, and runs eagerly with the reason if not;
 - the pre-capture buckets are captured, so the first think request pays no capture.
+
+Everything set on objects the plugin does not own goes through one ``patching.Patches``:
+``unwire(pipeline)`` puts every attribute back and drops every graph.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ STATE_ATTR = "_graphdecode_sensenova_u1"
 class Wiring:
     """What ``install`` attached to one pipeline (``pipeline._graphdecode_sensenova_u1``)."""
 
-    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer):
+    def __init__(self, pipeline, layout, cfg, kernel, graphs: bool, fusion, kv_writer, runner):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -46,9 +50,12 @@ class Wiring:
         self.graphs = graphs
         self.fusion = fusion
         self.kv_writer = kv_writer
+        self.runner = runner
+        self.patches = patching.Patches()
+        self.release_fn = None  # the pipeline's release_captured_graphs this wiring set
+        self.lora = False  # what the last verdict found (one walk per request: rules.verdict)
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
-                                   gate=lambda: rules.gate(pipeline, self.lm, kernel),
-                                   per_request=lambda: rules.lora_present(self.lm))
+                                   gate=self.refusal, per_request=lambda: self.lora)
         # The batched decode (batch.py) when the engine hands forward several requests; then the
         # loops decode there and ``sessions`` is not used.
         self.batch: batch_mod.BatchWiring | None = None
@@ -57,6 +64,40 @@ class Wiring:
     def row_session(self):
         """This thread's batch row session (``batch.RowSession``), or None."""
         return getattr(self.row_sessions, "session", None)
+
+    def refusal(self) -> Reason | None:
+        """Why a request's loop runs eagerly now on the one-sequence path: its kernel, or
+        ``batch_refusal``."""
+        if isinstance(self.kernel, Reason):
+            return self.kernel
+        return self.batch_refusal()
+
+    def batch_refusal(self) -> Reason | None:
+        """Why requests decode eagerly now: sleep no longer reaching this wiring's release (a
+        constant-time check; its graphs are dropped then), or the hook's gate (one walk of the
+        model, ``rules.verdict``, whose LoRA finding ``self.lora`` keeps for the request)."""
+        lost = self.sleep_lost()
+        if lost is not None:
+            self.release()
+            return lost
+        reason, self.lora = rules.verdict(self.pipeline, self.lm)
+        return reason
+
+    def sleep_lost(self) -> Reason | None:
+        if self.release_fn is None:
+            return None
+        if vars(self.pipeline).get("release_captured_graphs") is not self.release_fn:
+            return patching.SLEEP_UNREACHABLE.because(
+                f"{type(self.pipeline).__qualname__}.release_captured_graphs was replaced")
+        if self.runner is not None and not patching.runner_releases_pipeline(self.runner):
+            return patching.release_lost(self.runner, self.release_fn)
+        return None
+
+    def unwire(self) -> list[str]:
+        """Drop every graph and buffer and put back every attribute ``install`` set. Returns the
+        attributes left because someone replaced them since (their wrapper stays)."""
+        self.release()
+        return self.patches.undo()
 
     def _decoder(self) -> PagedDecoder:
         step = Step(self.lm, self.layout, fusion=self.fusion, kv_writer=self.kv_writer)
@@ -139,29 +180,34 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         from .fused_step import UNFUSED
 
         stats.degraded(MODEL, UNFUSED.because("; ".join(off)))
-    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer)
+    wiring = Wiring(pipeline, layout, cfg, kernel, graphs, fusion, writer, runner)
     if rows > 1:
         wiring.batch = batch_mod.BatchWiring(pipeline, layout, cfg, rows,
                                              attention=batch_attention, graphs=graphs,
-                                             writer=writer)
+                                             writer=writer, refusal=wiring.batch_refusal,
+                                             lora=lambda: wiring.lora)
 
     # From here on nothing is checked any more: patch.
-    if isinstance(kernel, kernels.Kernel):
-        patch_attention(lm, layout)
+    patches = wiring.patches
+    if isinstance(kernel, kernels.Kernel) or wiring.batch is not None:
+        patch_attention(lm, layout, patches)
         if fusion is not None:
-            fusion.patch_layers(lm)
+            fusion.patch_layers(lm, patches)
     bound = {name: getattr(pipeline, name) for name in originals}
-    pipeline._generate_think = _wrap_loop(wiring, bound["_generate_think"], think=True)
-    pipeline._generate_text = _wrap_loop(wiring, bound["_generate_text"], think=False)
-    pipeline._ar_step = _wrap_ar_step(wiring, bound["_ar_step"], layouts.output_class(lm))
-    pipeline._append_text_tokens_to_cache = _wrap_append(
-        wiring, bound["_append_text_tokens_to_cache"])
+    patches.set(pipeline, "_generate_think",
+                _wrap_loop(wiring, bound["_generate_think"], think=True))
+    patches.set(pipeline, "_generate_text",
+                _wrap_loop(wiring, bound["_generate_text"], think=False))
+    patches.set(pipeline, "_ar_step",
+                _wrap_ar_step(wiring, bound["_ar_step"], layouts.output_class(lm)))
+    patches.set(pipeline, "_append_text_tokens_to_cache",
+                _wrap_append(wiring, bound["_append_text_tokens_to_cache"]))
     if layout.in_tree:
-        pipeline._decode_context = _decode_context_taken_over
+        patches.set(pipeline, "_decode_context", _decode_context_taken_over)
     if wiring.batch is not None:
-        pipeline.forward = batch_mod.wrap_forward(wiring.batch, pipeline.forward)
-        setattr(pipeline, batch_mod.BATCH_ATTR, True)
-    setattr(pipeline, STATE_ATTR, wiring)
+        patches.set(pipeline, "forward", batch_mod.wrap_forward(wiring.batch, pipeline.forward))
+        patches.set(pipeline, batch_mod.BATCH_ATTR, True)
+    patches.set(pipeline, STATE_ATTR, wiring)
     image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=wiring)
 
     if isinstance(kernel, kernels.Kernel):
@@ -195,6 +241,7 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
     from . import denoise
 
     releases = [decode.release] if decode is not None else []
+    patches = decode.patches if decode is not None else patching.Patches()
     clause = f"image denoising: the pipeline's own steps ({SENSENOVA_DENOISE_VAR}=off)"
     if cfg.sensenova_denoise != "off":
         try:
@@ -202,16 +249,26 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
                 unreachable = patching.can_release_on_sleep(runner)
                 if unreachable is not None:
                     raise HookRefused(unreachable)
-            denoiser = denoise.install(pipeline, layout, cfg, capture=capture)
+            # Its branches check the runner's release themselves only where the runner's
+            # release is the plugin's registration (0.24-0.28); on 0.30 the runner calls the
+            # pipeline's own release_captured_graphs, set below.
+            denoiser = denoise.install(
+                pipeline, layout, cfg, capture=capture, patches=patches,
+                runner=None if runner is None or patching.runner_releases_pipeline(runner)
+                else runner)
         except HookRefused as exc:
             stats.refused(denoise.MODEL, exc.reason)
             clause = f"image denoising not wired: {exc.reason.describe()}"
         else:
-            setattr(pipeline, IMAGE_ATTR, denoiser)
+            patches.set(pipeline, IMAGE_ATTR, denoiser)
             releases.append(denoiser.release)
             clause = denoiser.describe()
     if releases:
-        _wire_release(pipeline, releases, runner)
+        release_fn = _wire_release(pipeline, releases, runner, patches)
+        if decode is not None:
+            decode.release_fn = release_fn
+        elif getattr(pipeline, IMAGE_ATTR, None) is not None:
+            patches.set(pipeline, UNWIRE_ATTR, patches)
     return clause
 
 
@@ -386,7 +443,10 @@ def _decode_context_taken_over(past_key_values):
     return None
 
 
-def _wire_release(pipeline, releases, runner) -> None:
+def _wire_release(pipeline, releases, runner, patches):
+    """``pipeline.release_captured_graphs``: this plugin's releases, then the pipeline's own (0.30's
+    in-tree one). vllm-omni 0.30's runner calls it at sleep level 2 itself; on 0.24-0.28 it is
+    registered on the runner's ``graph_runners`` (``patching.release_on_sleep``)."""
     previous = getattr(pipeline, "release_captured_graphs", None)  # 0.30's in-tree one, if any
 
     def release_captured_graphs() -> None:
@@ -397,6 +457,28 @@ def _wire_release(pipeline, releases, runner) -> None:
         if previous is not None:
             previous()
 
-    pipeline.release_captured_graphs = release_captured_graphs
-    if runner is not None:
-        patching.release_on_sleep(runner, pipeline.release_captured_graphs)
+    patches.set(pipeline, "release_captured_graphs", release_captured_graphs)
+    if runner is not None and not patching.runner_releases_pipeline(runner):
+        patching.release_on_sleep(runner, release_captured_graphs, patches)
+    return release_captured_graphs
+
+
+UNWIRE_ATTR = "_graphdecode_sensenova_u1_patches"
+
+
+def unwire(pipeline) -> list[str] | None:
+    """Undo ``install`` on ``pipeline``: every graph and buffer dropped, every attribute put back
+    (the pipeline's methods, each attention layer's and decoder layer's patched forward, the
+    runner's release). Returns the attributes left because someone replaced them since, or None
+    when nothing was wired. The class-level request-batching declaration (``batch.declare``) is
+    the process's, not the pipeline's, and stays."""
+    wiring = getattr(pipeline, STATE_ATTR, None)
+    if wiring is not None:
+        return wiring.unwire()
+    patches = vars(pipeline).get(UNWIRE_ATTR)  # only the denoising was wired (defer)
+    if patches is None:
+        return None
+    denoiser = getattr(pipeline, IMAGE_ATTR, None)
+    if denoiser is not None:
+        denoiser.release()
+    return patches.undo()
