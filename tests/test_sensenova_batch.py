@@ -374,7 +374,7 @@ def test_a_failed_capture_hands_the_rows_back_with_their_tokens(checkpoint, monk
     requests = _text_requests()
     want = [_answer(pipe.forward(_batch([r]))) for r in requests]
 
-    def run(self, *, graphs, pool):
+    def run(self, *, graphs):
         raise CaptureFailed("RuntimeError: capture failed (test)")
 
     monkeypatch.setattr(batch_decode.BatchProgram, "run", run)

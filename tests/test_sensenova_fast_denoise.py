@@ -133,23 +133,3 @@ def test_the_norm_kind_is_read_from_the_release(checkpoint):  # noqa: F811
     assert torch.equal(fast_denoise.rms_norm(x, module.weight, 1e-6, True), module(x))
     h = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
     assert torch.equal(fast_denoise.rms_norm(h, norm.weight, norm.variance_epsilon, False), norm(h))
-
-
-def test_the_one_qk_norm_rope_is_the_triton_kernels_contract_bit_for_bit():
-    """``ops.qk_norm_rope`` (the fast body's) and the fused decode step's plain-torch stand-in
-    for vllm-omni's Triton kernel compute the same formula: equal once laid out alike."""
-    from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, ops
-
-    gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 5, 4, 16, generator=gen), torch.randn(2, 5, 2, 16, generator=gen)
-    weights = [1 + 0.1 * torch.randn(8, generator=gen) for _ in range(4)]
-    tables = [(torch.randn(2, 5, d, generator=gen), torch.randn(2, 5, d, generator=gen))
-              for d in (8, 4, 4)]
-    for dtype in (torch.float32, torch.bfloat16):
-        args = [t.to(dtype) for t in (q, k, *weights)]
-        tabs = [(c.to(dtype), s.to(dtype)) for c, s in tables]
-        got_q, got_k = ops.qk_norm_rope(*args, tabs, 1e-6, cast_chain=True)
-        want_q, want_k = fused_step.reference_qk_norm_rope(
-            *args, *(t for pair in tabs for t in pair), 1e-6)
-        assert torch.equal(got_q.transpose(1, 2), want_q)
-        assert torch.equal(got_k.transpose(1, 2), want_k)

@@ -119,11 +119,13 @@ def _fused_vs_plain(st, hook, kernels, lm, tok, ids) -> dict:
     against the model's own step, both paged, same tokens: the same math, so equal in fp32."""
     import torch
 
+    from vllm_omni_graphdecode.testing.fused_reference import reference_fusion
+
     pipe = st.build_pipeline(lm, tok)
     out, cache_fused, t_idx = st.prefill(pipe, ids)
     _, cache_plain, _ = st.prefill(pipe, ids)
     fused = hook.paged_decoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
-                               fusion=hook.Fusion.reference(lm), kv_writer=None)
+                               fusion=reference_fusion(lm), kv_writer=None)
     plain = hook.paged_decoder(lm, kernel=kernels.REFERENCE, buckets=(32, 64), graphs=False,
                                fusion=None, kv_writer=None)
     calls = {"rotary_emb": 0, "rotary_emb_hw": 0}

@@ -158,7 +158,7 @@ class BatchProgram:
                                         self.sampled))
         return logits
 
-    def run(self, *, graphs: bool, pool) -> bool:
+    def run(self, *, graphs: bool) -> bool:
         """One launch: the graph (captured first when missing or stale), or eagerly. Returns
         whether a graph was captured now. Raises ``CaptureFailed``."""
         if not graphs:
@@ -168,7 +168,7 @@ class BatchProgram:
         captured = False
         if self.graph is None or self.generation != self.cache.generation:
             self.graph = self.output = None
-            done = cuda_graphs.capture(self.forward, self.cache.device, pool=pool)
+            done = cuda_graphs.capture(self.forward, self.cache.device)
             self.graph, self.output = done.graph, done.output
             self.vocab = self.output.shape[-1]
             self.generation = self.cache.generation
@@ -242,19 +242,16 @@ class BatchDecoder:
     """Up to ``cache.rows`` sequences decoding together (module docstring).
 
     ``model``: the hook's ``BatchStepModel``; ``graphs``: capture launches (else run them
-    eagerly, the same kernels); ``k``: tokens per launch; ``pool``: the graph pool (default
-    ``cuda_graphs.graph_pool``).
+    eagerly, the same kernels); ``k``: tokens per launch.
     """
 
     def __init__(self, model: BatchStepModel, cache: BatchKV, *, name: str, k: int,
-                 graphs: bool, pool=None, max_blocks_per_row: int | None = None):
+                 graphs: bool):
         self.model = model
         self.cache = cache
         self.name = name
         self.k = k
         self.graphs = graphs
-        self.pool = pool
-        self.max_blocks_per_row = max_blocks_per_row
         self.rows: list[Row | None] = [None] * cache.rows
         self.programs: dict[bool, BatchProgram] = {}
         self.capture_failed: str | None = None
@@ -402,7 +399,7 @@ class BatchDecoder:
         program.temperature.copy_(torch.tensor(temps, dtype=torch.float32))
         program.seed.copy_(torch.tensor(seeds))
         try:
-            if program.run(graphs=self.graphs, pool=self.pool):
+            if program.run(graphs=self.graphs):
                 stats.count(self.name, "batch_capture")
         except CaptureFailed as exc:
             self.capture_failed = str(exc)[:300]
@@ -433,7 +430,7 @@ class BatchDecoder:
                 program = self.programs[False] = BatchProgram(self.model, self.cache, self.k,
                                                               sampled=False)
             if self.graphs:
-                program.run(graphs=True, pool=self.pool)
+                program.run(graphs=True)
                 stats.count(self.name, "batch_capture")
             return time.perf_counter() - start
 

@@ -50,8 +50,7 @@ class _Tier:
                                   device=m.device, buckets=decoder.buckets, kernel=decoder.kernel,
                                   length=length, writer=m.writer)
         self.runner = DecodeGraphRunner(self.step, self.cache, model=decoder.name,
-                                        graphs=decoder.graphs, verify=decoder.verify,
-                                        pool=decoder.pool)
+                                        graphs=decoder.graphs, verify=decoder.verify)
         # (k, sampling) -> program; sampling None: greedy
         self.programs: dict[tuple[int, Sampling | None], TokenProgram] = {}
 
@@ -68,7 +67,7 @@ class _Tier:
         if program is None:
             d = self.decoder
             program = TokenProgram(d.model, self.cache, k, self.step, name=d.name,
-                                   graphs=d.graphs, verify=d.verify, pool=d.pool,
+                                   graphs=d.graphs, verify=d.verify,
                                    sampling=sampling)
             sampled = [other for other in self.programs if other[1] is not None]
             if sampling is not None and len(sampled) >= SAMPLED_PROGRAMS:
@@ -103,14 +102,13 @@ class PagedDecoder:
     """
 
     def __init__(self, model: StepModel, *, name: str, kernel, buckets: Sequence[int],
-                 graphs: bool = True, verify: bool = False, pool=None, tokens_per_launch: int = 1):
+                 graphs: bool = True, verify: bool = False, tokens_per_launch: int = 1):
         self.model = model
         self.name = name
         self.kernel = kernel
         self.buckets = tuple(buckets)
         self.graphs = graphs
         self.verify = verify
-        self.pool = pool
         self.tokens_per_launch = tokens_per_launch
         self.pinned: _Tier | None = None
         self.overflow: _Tier | None = None

@@ -35,15 +35,12 @@ import importlib
 import torch
 
 from ... import gemv, layer_ops
-from ...patching import HookRefused
 from ...reasons import Reason
 from . import layouts, ops
 from .step import PAGED_KWARG
 
 UNFUSED = Reason("decode step unfused",
                  "a CUDA build of vllm and vllm-omni's Triton qk-norm + rope kernel (see the detail)")
-NOT_FUSABLE = Reason("decode step cannot be fused",
-                     "nothing to change: the model's own step runs (see the detail)")
 
 
 class Fusion:
@@ -114,20 +111,6 @@ class Fusion:
             else:
                 fusion.gemv = found
         return fusion
-
-    @classmethod
-    def reference(cls, language_model, layout: layouts.Layout | None = None) -> "Fusion":
-        """The fused step's structure with plain-torch kernels, on any device (tests, CPU)."""
-        layout = layout or layouts.detect_layout(language_model)
-        rope = None
-        if layout.rope_per_layer:
-            rope = _rope_once_kernel(language_model, kernel=reference_qk_norm_rope)
-            if isinstance(rope, str):
-                raise HookRefused(NOT_FUSABLE.because(f"rope once per step: {rope}"))
-        why = _layers_not_fusable(language_model)
-        if why is not None:
-            raise HookRefused(NOT_FUSABLE.because(f"fused norms: {why}"))
-        return cls(rope, layer_ops.REFERENCE_LAYER_OPS)
 
     def describe(self) -> list[str]:
         parts = []
@@ -266,29 +249,3 @@ def _fused_layer_forward_und(layer, original):
 
     _forward_und.__graphdecode__ = True
     return _forward_und
-
-
-def reference_qk_norm_rope(q, k, q_weight, k_weight, q_hw_weight, k_hw_weight,
-                           cos_t, sin_t, cos_h, sin_h, cos_w, sin_w, eps):
-    """vllm-omni's ``triton_qk_norm_rope`` contract in plain torch (tests and CPU runs).
-
-    q ``(B, S, Hq, D)``, k ``(B, S, Hk, D)``: the first half of each head is RMS-normed with
-    ``*_weight`` and rotated by the t tables; the second half is normed with ``*_hw_weight``, and
-    its two quarters are rotated by the h and w tables. Returns query, key as ``(B, H, S, D)``.
-    """
-    def rotate(x, cos, sin):
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-    def one(x, w_t, w_hw):
-        x_t, x_hw = x.chunk(2, dim=-1)
-        x_t = layer_ops.reference_rms_norm(x_t, w_t, eps).transpose(1, 2)
-        x_hw = layer_ops.reference_rms_norm(x_hw, w_hw, eps).transpose(1, 2)
-        x_h, x_w = x_hw.chunk(2, dim=-1)
-        return torch.cat([rotate(x_t, cos_t, sin_t), rotate(x_h, cos_h, sin_h),
-                          rotate(x_w, cos_w, sin_w)], dim=-1)
-
-    return one(q, q_weight, q_hw_weight), one(k, k_weight, k_hw_weight)
-
-

@@ -104,7 +104,7 @@ def select_kv_writer(device, dtype) -> "layer_ops.KVWriter | Reason":
 
 
 def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verify: bool = False,
-                  pool=None, layout: layouts.Layout | None = None, fusion="auto",
+                  layout: layouts.Layout | None = None, fusion="auto",
                   kv_writer="auto", tokens_per_launch: int = 1) -> PagedDecoder:
     """A standalone paged decoder for ``language_model`` (see the module docstring).
 
@@ -124,7 +124,7 @@ def paged_decoder(language_model, *, kernel, buckets, graphs: bool = True, verif
         kv_writer = None if isinstance(kv_writer, Reason) else kv_writer
     step = Step(language_model, layout, fusion=fusion, kv_writer=kv_writer)
     return PagedDecoder(step, name=MODEL, kernel=kernel, buckets=buckets, graphs=graphs,
-                        verify=verify, pool=pool, tokens_per_launch=tokens_per_launch)
+                        verify=verify, tokens_per_launch=tokens_per_launch)
 
 
 def patch_attention(language_model, layout: layouts.Layout, patches=None) -> None:
