@@ -430,8 +430,8 @@ def test_the_engine_refuses_max_num_seqs_without_the_plugin_and_accepts_it_with(
     od = _od_config(checkpoint, 8)
     with pytest.raises(ValueError, match="does not support request-level batching"):
         _engine_mode(od)
-    config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}))
-    loading.install()  # what register() does where the engine starts
+    # What register() does where the engine starts, less the runner patch (tests/test_plugin.py)
+    loading.install_model_hooks(config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}))
     assert pipeline_class.supports_request_batch is True
     assert _engine_mode(od).name == "REQUEST_BATCH"
     assert stats.get(MODEL, "batch_declared") == 1
@@ -443,8 +443,7 @@ def test_the_engine_refuses_max_num_seqs_without_the_plugin_and_accepts_it_with(
                          ids=["not_named", "batch_off"])
 def test_the_engine_still_refuses_when_the_plugin_will_not_batch_sensenova(
         checkpoint, pipeline_class, env):
-    config.reset_for_tests(config.parse(env))
-    loading.install()
+    loading.install_model_hooks(config.parse(env))
     assert pipeline_class.supports_request_batch is False
     with pytest.raises(ValueError, match="does not support request-level batching"):
         _engine_mode(_od_config(checkpoint, 8))

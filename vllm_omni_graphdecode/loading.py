@@ -200,9 +200,14 @@ def install() -> None:
     problem = check_omni_version(omni_version())
     if problem:
         logger.warning("graphdecode: %s", problem)
-    cfg = config.get()
+    install_model_hooks(config.get())
+    _finder.add(RUNNER_MODULE, _patch_module)
+
+
+def install_model_hooks(cfg: config.Config) -> None:
+    """Each enabled model's ``on_import`` hooks (``models.Model``), now or when vllm-omni imports
+    their module: what ``install`` does besides patching the runner."""
     for model in MODELS:
         if model.key in cfg.models:
             for module_name, function in model.on_import:
                 _finder.add(module_name, _on_import(model.key, function, cfg))
-    _finder.add(RUNNER_MODULE, _patch_module)
