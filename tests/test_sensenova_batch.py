@@ -9,7 +9,6 @@ vLLM's Triton kernel: ``tests/test_sensenova_batch_gpu.py``); every other part i
 code. Nothing here waits on time: threads meet through events and the turns themselves.
 """
 
-import os
 import threading
 from multiprocessing.shared_memory import SharedMemory
 from types import SimpleNamespace
@@ -23,6 +22,8 @@ from vllm_omni_graphdecode.cuda_graphs import CaptureFailed
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
 from vllm_omni_graphdecode.testing import random_models as rm
+
+from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 
 MODEL = hook.MODEL
 
@@ -186,12 +187,6 @@ def _cfg(**env):
               "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": "4"}
     values.update(env)
     return config.parse(values)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = rm.write_tiny_checkpoints(tmp_path_factory.mktemp("tiny_ckpts"))
-    return os.path.join(out, "sensenova_u1")
 
 
 def _pipeline(checkpoint, cfg=None, rows=4, **install):

@@ -13,6 +13,8 @@ from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import layouts
 from vllm_omni_graphdecode.testing import random_models as st
 
+from test_sensenova_cpu import tiny  # noqa: F401 - the tiny model fixture
+
 MODEL = hook.MODEL
 STEPS = 40
 
@@ -25,13 +27,6 @@ def _cfg(**env):
               "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "off"}
     values.update(env)
     return config.parse(values)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    tok = st.build_tokenizer()
-    lm = st.build_lm(banned_ids=st.stop_ids(tok))
-    return SimpleNamespace(tok=tok, lm=lm, ids=st.prompt_ids(tok, 20))
 
 
 def _own_attributes(pipe):
