@@ -119,24 +119,27 @@ class BatchStepModel(Protocol):
     def forward(self, cache: BatchKV) -> torch.Tensor: ...
 
 
+# The rows of ``BatchProgram.inputs``, in order.
+INPUTS = ("start_tokens", "start_positions", "start_lengths", "active", "seed")
+
+
 class BatchProgram:
     """``k`` decode steps of every row as one function a graph records (module docstring).
 
-    Inputs (written by the host before a launch): ``start_tokens``, ``start_positions`` (rows,)
-    long, ``start_lengths`` (rows,) int32 (valid keys in the first step, the fed token's
-    included), ``active`` (rows,) int32, ``temperature`` (rows,) float32, ``seed`` (rows,) long.
+    Inputs (written by the host before a launch, rows of ``inputs``): ``start_tokens``,
+    ``start_positions``, ``start_lengths`` (valid keys in the first step, the fed token's
+    included), ``active`` (1 or 0), ``seed``, each (rows,) long; ``temperature`` (rows,) float32.
     Output: ``tokens`` (k, rows) long.
     """
 
     def __init__(self, model: BatchStepModel, cache: BatchKV, k: int, *, sampled: bool):
         rows, device = cache.rows, cache.device
         self.model, self.cache, self.k, self.sampled = model, cache, k, sampled
-        self.start_tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.start_positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.start_lengths = torch.ones(rows, dtype=torch.int32, device=device)
-        self.active = torch.zeros(rows, dtype=torch.int32, device=device)
+        # The integer inputs in one tensor, so a launch writes them with one copy (``INPUTS``).
+        self.inputs = torch.zeros(len(INPUTS), rows, dtype=torch.long, device=device)
+        (self.start_tokens, self.start_positions, self.start_lengths, self.active,
+         self.seed) = self.inputs.unbind(0)
         self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(rows, dtype=torch.long, device=device)
         self.tokens = torch.zeros(k, rows, dtype=torch.long, device=device)
         self.graph = None
         self.output: torch.Tensor | None = None  # the last step's logits of the last launch
@@ -256,8 +259,11 @@ class BatchDecoder:
         self.programs: dict[bool, BatchProgram] = {}
         self.capture_failed: str | None = None
         self.lock = threading.RLock()
-        self._host_tokens = torch.zeros(k, cache.rows, dtype=torch.long,
-                                        pin_memory=cache.device.type == "cuda")
+        pin = cache.device.type == "cuda"
+        self._host_tokens = torch.zeros(k, cache.rows, dtype=torch.long, pin_memory=pin)
+        # A launch's inputs, staged in pinned memory: two copies a launch, not one a field.
+        self._host_inputs = torch.zeros(len(INPUTS), cache.rows, dtype=torch.long, pin_memory=pin)
+        self._host_temps = torch.zeros(cache.rows, dtype=torch.float32, pin_memory=pin)
         self._released = False
         self.vocab = 0
 
@@ -392,12 +398,11 @@ class BatchDecoder:
             lengths[r.index] = r.length + 1
             active[r.index] = 1
             temps[r.index], seeds[r.index] = r.sampling.temperature, r.sampling.seed
-        program.start_tokens.copy_(torch.tensor(tokens))
-        program.start_positions.copy_(torch.tensor(positions))
-        program.start_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
-        program.active.copy_(torch.tensor(active, dtype=torch.int32))
-        program.temperature.copy_(torch.tensor(temps, dtype=torch.float32))
-        program.seed.copy_(torch.tensor(seeds))
+        # The pinned buffers are free again: the last launch's tokens were read (a sync) before.
+        self._host_inputs.copy_(torch.tensor([tokens, positions, lengths, active, seeds]))
+        self._host_temps.copy_(torch.tensor(temps, dtype=torch.float32))
+        program.inputs.copy_(self._host_inputs, non_blocking=True)
+        program.temperature.copy_(self._host_temps, non_blocking=True)
         try:
             if program.run(graphs=self.graphs):
                 stats.count(self.name, "batch_capture")

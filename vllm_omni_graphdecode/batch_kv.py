@@ -280,8 +280,8 @@ class BatchKV:
     # -- the step's device state (recorded in a graph) ----------------------------------------
 
     def load_lengths(self, lengths: torch.Tensor, active: torch.Tensor) -> None:
-        """``lengths`` (rows,) int32: valid keys of each active row this step; idle rows read
-        one key of SCRATCH and write its first slot."""
+        """``lengths`` (rows,): valid keys of each active row this step (``active`` 1); idle rows
+        read one key of SCRATCH and write its first slot."""
         self.active.copy_(active)
         self.seqused.copy_(torch.where(active.bool(), lengths, torch.ones_like(lengths)))
         self._set_slot()
