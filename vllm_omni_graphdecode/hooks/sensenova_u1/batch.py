@@ -213,21 +213,18 @@ def _sub_batch(req, request):
     return type(req)(requests=[request])
 
 
-def _cancelled(request) -> bool:
-    """Whether the engine asked to abort ``request`` (its shared-memory cancellation flag)."""
+def _cancel_flag(request):
+    """The engine's shared-memory cancellation flag of ``request`` (``buf[0]`` set: abort it),
+    opened once for the row's whole loop, or None."""
     name = getattr(request, "cancellation_signal", None)
     if not name:
-        return False
+        return None
     try:
         from multiprocessing.shared_memory import SharedMemory
 
-        signal = SharedMemory(name=name)
+        return SharedMemory(name=name)
     except (FileNotFoundError, OSError, ValueError):
-        return False
-    try:
-        return bool(signal.buf[0])
-    finally:
-        signal.close()
+        return None
 
 
 def _error_output(exc: BaseException):
@@ -351,6 +348,8 @@ class RowSession:
         self.thread = threading.get_ident()
         self.request = current_request()
         self.host = HostLogits()
+        # Read at every token: opened here, not per token (a shm_open and an mmap each).
+        self._cancel = _cancel_flag(self.request)
 
     def logits(self, token: int, vocab: int | None = None):
         """Host logits whose argmax (and one draw) is ``token`` (``token_loop.ServedLogits``)."""
@@ -372,7 +371,7 @@ class RowSession:
                 and threading.get_ident() == self.thread)
 
     def decode(self, token: int, position: int) -> int | None:
-        if self.request is not None and _cancelled(self.request):
+        if self._cancel is not None and self._cancel.buf[0]:
             self.close()
             try:
                 from vllm_omni.diffusion.data import DiffusionRequestAbortedError
@@ -387,6 +386,9 @@ class RowSession:
 
     def close(self) -> None:
         self.batch.decoder.leave(self.row, write_back=self.think)
+        if self._cancel is not None:
+            self._cancel.close()
+            self._cancel = None
 
 
 def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
