@@ -143,7 +143,7 @@ class Clock:
 
             def timed(*a, _inner=inner, **k):
                 out = _inner(*a, **k)
-                torch.cuda.synchronize() if torch.cuda.is_available() else None
+                _sync()
                 self.ends.append(time.perf_counter())
                 return out
 

@@ -136,6 +136,11 @@ def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
 
 
+def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype) -> int:
+    """K and V of one token in every layer."""
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class BatchKV:
     """Per-layer paged K/V for up to ``rows`` sequences, one token per row per step.
 
@@ -179,11 +184,6 @@ class BatchKV:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * BLOCK_SIZE * self.kv_heads * self.head_dim * (
-            torch.empty((), dtype=self.dtype).element_size())
 
     # -- allocation (host) --------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ import torch
 
 from ... import stats, turns
 from ...batch_decode import BatchDecoder, RowSampling, choose
-from ...batch_kv import BatchKV, blocks_for, select_attention
+from ...batch_kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
 from ...patching import HookRefused, check_signature
 from ...reasons import CAPTURE_FAILED, OOM, Reason
 from ...token_loop import HostLogits
@@ -50,8 +50,6 @@ MAX_ROWS = 16
 STEP_ROWS = MAX_ROWS
 BATCH_ATTR = "supports_request_batch"
 
-SERIAL = Reason("batch served one request at a time",
-                "see the load line for why SenseNova-U1's batched decode is not wired here")
 NOT_WIRED = Reason("batched decode not wired on this pipeline",
                    "see the load line (python -m vllm_omni_graphdecode stats)")
 
@@ -190,11 +188,11 @@ class BatchWiring:
     def describe(self) -> str:
         if isinstance(self.attention, Reason):
             return f"batched decode of up to {self.rows} requests refused: {self.attention.key}"
-        per = blocks_for(max(self.cfg.precapture_buckets)) * 16
+        per = blocks_for(max(self.cfg.precapture_buckets)) * BLOCK_SIZE
         attn = layouts.attention_modules(self.lm)[0]
-        slot = 2 * len(self.lm.model.layers) * attn.num_kv_heads * attn.head_dim * (
-            torch.empty((), dtype=self.dtype).element_size())
-        pool = self.initial_blocks() * 16 * slot / 2**30
+        slot = bytes_per_token(len(self.lm.model.layers), attn.num_kv_heads, attn.head_dim,
+                               self.dtype)
+        pool = self.initial_blocks() * BLOCK_SIZE * slot / 2**30
         return (f"batched decode of up to {self.rows} requests ({STEP_ROWS}-row step, "
                 f"{self.attention.name}; "
                 f"{'CUDA graphs' if self.graphs else 'no graphs'}; {self.k} tokens a launch; "
@@ -266,7 +264,7 @@ def current_request():
     return getattr(_local, "request", None)
 
 
-def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason | None = None):
+def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason = NOT_WIRED):
     """``forward(req)`` for a ``DiffusionRequestBatch`` of any size: each request a member of one
     ``turns`` group (``batch`` given), or one after another (``batch`` None: ``why`` counted)."""
 
@@ -279,7 +277,7 @@ def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason | None = 
             return original(req, *args, **kwargs)
         subs = [_sub_batch(req, r) if len(requests) > 1 else req for r in requests]
         if batch is None:
-            stats.fallback(MODEL, (why or SERIAL).because(f"{len(requests)} requests"))
+            stats.fallback(MODEL, why.because(f"{len(requests)} requests"))
             outputs = []
             for sub in subs:
                 try:
@@ -465,7 +463,7 @@ def engine_rows(runner, cfg) -> int:
     ``MAX_ROWS``; 1 when batching is off or the engine runs one at a time."""
     if cfg.sensenova_batch == "off":
         return 1
-    od = getattr(runner, "od_config", None) or getattr(runner, "_graphdecode_od_config", None)
+    od = getattr(runner, "od_config", None)
     try:
         n = int(getattr(od, "max_num_seqs", 1) or 1)
     except (TypeError, ValueError):
