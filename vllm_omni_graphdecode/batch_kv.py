@@ -173,7 +173,6 @@ class BatchKV:
         self.seqused = torch.ones(rows, dtype=torch.int32, device=self.device)
         self.slot = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.active = torch.zeros(rows, dtype=torch.int32, device=self.device)
-        self._schedule = None
         self.scratch = Scratch(
             torch.zeros(rows, q_heads, SPLITS, head_dim + 1, dtype=torch.float32,
                         device=self.device),
@@ -316,9 +315,6 @@ class BatchKV:
         return self.attention(q.contiguous(), self.k[layer_idx], self.v[layer_idx],
                               table=self.table, seqused=self.seqused, scale=softmax_scale,
                               scratch=self.scratch)
-
-    def begin_step(self) -> None:
-        """Kept for the one-sequence cache's contract (the Triton kernel plans inside its call)."""
 
     def release(self) -> None:
         """Drop the buffers (sleep level 2). Any graph recorded against them is stale."""

@@ -148,7 +148,6 @@ class BatchWiring:
                             writer=self.writer)
             cache.grow(cache.num_blocks, width=self.table_width())
             self.decoder = BatchDecoder(step, cache, name=MODEL, k=self.k, graphs=self.graphs)
-            self.fusion = fusion
         else:
             self.decoder.reopen(self.initial_blocks(), self.table_width())
         return self.decoder
