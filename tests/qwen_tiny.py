@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
+from vllm_omni_graphdecode import stats
+from vllm_omni_graphdecode.hooks.qwen_image_21 import MODEL
 from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21KVCache,
@@ -24,6 +26,11 @@ GPU_CONFIG = dict(num_layers=3, attention_head_dim=64, num_attention_heads=4, co
                   in_channels=16, out_channels=16, axes_dims_rope=(16, 24, 24), mlp_ratio=3)
 
 diffusers_forward = QwenImage21Transformer2DModel.forward  # diffusers' own, whatever is wired
+
+
+def fallback_reasons() -> set[str]:
+    """The reasons Qwen-Image-2.1's fallbacks were counted under so far (the model key dropped)."""
+    return {key.split(": ", 1)[1] for key in stats.fallbacks(MODEL)}
 
 
 def tiny_transformer(config: dict | None = None, *, dtype=torch.float32, device="cpu", seed: int = 0):

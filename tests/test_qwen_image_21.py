@@ -20,6 +20,7 @@ from qwen_tiny import (
     cached_reference,
     diffusers_forward,
     extract,
+    fallback_reasons,
     new_cache,
     request,
     tiny_pipeline,
@@ -44,10 +45,6 @@ def exact_mode_unless_asked():
 @pytest.fixture
 def model():
     return tiny_transformer()
-
-
-def fallback_reasons() -> set[str]:
-    return {key.split(": ", 1)[1] for key in stats.fallbacks(MODEL)}
 
 
 # -- the static-buffer step equals diffusers' cached forward ----------------------------------

@@ -21,6 +21,7 @@ from qwen_tiny import (
     cached_call,
     cached_reference,
     extract,
+    fallback_reasons,
     request,
     tiny_pipeline,
     tiny_transformer,
@@ -46,10 +47,6 @@ def exact_mode_unless_asked(request):
     run the default configuration."""
     if "fast" not in request.node.name:
         config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE_QWEN_MODE": "exact"}))
-
-
-def reasons() -> set[str]:
-    return {key.split(": ", 1)[1] for key in stats.fallbacks(MODEL)}
 
 
 def steps_through_wiring(model, kwargs, steps, **enable):
@@ -163,7 +160,7 @@ def test_injected_capture_failure_falls_back_and_equals_diffusers():
     got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2)]
     assert torch.cuda.current_stream() == stream  # not left on the failed capture's stream
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
-    assert prefix_graph.CAPTURE_FAILED.key in reasons()
+    assert prefix_graph.CAPTURE_FAILED.key in fallback_reasons()
     assert stats.get(MODEL, "eager_step") == 2 and stats.get(MODEL, "replay") == 0
 
 
@@ -186,7 +183,7 @@ def test_injected_oom_falls_back_and_equals_diffusers(monkeypatch, where):
                                               else step_fn(bufs))
     got = [cached_call(model, at_step(kwargs, s), cache) for s in (1, 2)]
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
-    assert prefix_graph.OOM.key in reasons()
+    assert prefix_graph.OOM.key in fallback_reasons()
 
 
 def test_verify_mismatch_disables_the_graph(monkeypatch):
@@ -200,7 +197,7 @@ def test_verify_mismatch_disables_the_graph(monkeypatch):
     first = cached_call(model, at_step(kwargs, 1), cache)  # the eager result it was checked against
     second = cached_call(model, at_step(kwargs, 2), cache)  # diffusers' forward from now on
     assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
-    assert prefix_graph.VERIFY_MISMATCH.key in reasons()
+    assert prefix_graph.VERIFY_MISMATCH.key in fallback_reasons()
 
 
 def test_device_memory_does_not_grow_over_requests():
@@ -249,7 +246,7 @@ def test_an_adapter_added_mid_request_never_replays_the_graph_captured_without_i
     expected = cached_reference(model, step, cache)
     assert torch.equal(cached_call(model, step, cache), expected)
     assert stats.get(MODEL, "structure_changed") == 1 and stats.get(MODEL, "replay") == 2
-    assert qwen.LORA.key in reasons()
+    assert qwen.LORA.key in fallback_reasons()
 
 
 def test_bench_cached_step_runs_and_reports():

@@ -21,6 +21,7 @@ from qwen_tiny import (
     cached_reference,
     diffusers_forward,
     extract,
+    fallback_reasons,
     request,
     tiny_pipeline,
     tiny_transformer,
@@ -39,10 +40,6 @@ def exact_mode():
 @pytest.fixture
 def model():
     return tiny_transformer()
-
-
-def fallback_reasons() -> set[str]:
-    return {key.split(": ", 1)[1] for key in stats.fallbacks(MODEL)}
 
 
 def _wire_on_cpu(model, runner):
