@@ -177,6 +177,27 @@ def test_a_rows_draw_depends_on_its_seed_and_position_only():
     assert float(u.min()) > 0 and float(u.max()) < 1
 
 
+@pytest.mark.parametrize("params,think,want", [
+    ({"do_sample": True, "temperature": 0.7}, True, batch_decode.RowSampling()),  # think: argmax
+    ({"do_sample": False, "temperature": 0.7}, False, batch_decode.RowSampling()),
+    ({"do_sample": True, "temperature": 0.0}, False, batch_decode.RowSampling()),
+    ({"do_sample": True, "temperature": 0.7}, False, batch_decode.RowSampling(0.7, 0)),
+    ({"do_sample": True, "temperature": torch.tensor(0.7)}, False, reasons.ARGUMENTS),
+    ({"do_sample": True, "temperature": True}, False, reasons.ARGUMENTS),
+    (None, False, reasons.ARGUMENTS),  # the text loop's arguments could not be bound
+    (None, True, batch_decode.RowSampling()),
+])
+def test_a_text_loop_whose_sampling_cannot_be_read_is_not_served_argmax_tokens(params, think,
+                                                                               want):
+    """The batch serves a row its argmax or its own seeded draw; a loop whose sampling it cannot
+    read runs eagerly (its own draws) under ARGUMENTS instead of being served argmax tokens."""
+    got = batch_mod.sampling_for(params, think)
+    if isinstance(want, reasons.Reason):
+        assert isinstance(got, reasons.Reason) and want.same(got), got
+    else:
+        assert got == want
+
+
 # ------------------------------------------------------------------ the pipeline's forward
 
 def _cfg(**env):

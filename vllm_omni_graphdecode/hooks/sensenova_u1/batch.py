@@ -37,7 +37,7 @@ from ... import stats, turns
 from ...batch_decode import BatchDecoder, RowSampling, choose
 from ...batch_kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
 from ...patching import HookRefused, check_signature
-from ...reasons import CAPTURE_FAILED, OOM, Reason
+from ...reasons import ARGUMENTS, CAPTURE_FAILED, OOM, Reason
 from ...token_loop import HostLogits
 from . import layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
@@ -412,13 +412,24 @@ def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
     return RowSession(batch, row, think)
 
 
-def sampling_for(params: dict, think: bool) -> RowSampling:
+def sampling_for(params: dict | None, think: bool) -> RowSampling | Reason:
     """The row's pick: the loop's argmax, or its draw at its temperature from the request's own
-    seeded stream."""
-    temperature = params.get("temperature")
-    if think or not params.get("do_sample") or not isinstance(temperature, (int, float)):
+    seeded stream. ``params``: the loop's bound arguments, or None where they could not be read.
+    A text loop whose sampling cannot be read (its arguments unbound, a temperature that is not a
+    number) gets ``ARGUMENTS``: it decodes eagerly, drawing as its own code does, rather than
+    being served argmax tokens it might not have picked."""
+    if think:
         return RowSampling()
-    if isinstance(temperature, bool) or temperature <= 0:
+    if params is None:
+        return ARGUMENTS.because("batched text loop: its arguments do not bind to its "
+                                 "signature")
+    if not params.get("do_sample"):
+        return RowSampling()
+    temperature = params.get("temperature")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        return ARGUMENTS.because(f"batched text loop: temperature {temperature!r}, not a "
+                                 f"number")
+    if temperature <= 0:
         return RowSampling()
     request = current_request()
     seed = getattr(getattr(request, "sampling_params", None), "seed", None)

@@ -321,8 +321,11 @@ LIMIT_PARAM = {True: "max_think_tokens", False: "max_tokens"}
 
 def _batch_loop(wiring: Wiring, original, signature, args, kwargs, think: bool, cache):
     """The loop as a row of the batch (``batch.RowSession``): ``_ar_step`` serves its tokens."""
-    params = _loop_params(signature, args, kwargs) or {}
+    params = _loop_params(signature, args, kwargs)
     sampling = batch_mod.sampling_for(params, think)
+    if isinstance(sampling, Reason):
+        stats.fallback(MODEL, sampling)
+        return original(*args, **kwargs)
     session = batch_mod.open_row(wiring.batch, cache, think=think, sampling=sampling)
     if session is None:
         return original(*args, **kwargs)
