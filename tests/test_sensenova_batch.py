@@ -291,6 +291,32 @@ def test_a_sampled_answer_depends_on_its_seed_not_on_its_batch(checkpoint):
     assert _answer(pipe.forward(_batch([other_seed]))) != alone
 
 
+def test_a_text_loop_with_a_tensor_temperature_decodes_eagerly_as_the_release(checkpoint,
+                                                                            monkeypatch):
+    """A caller handing the text loop a temperature that is not a number: the batch does not
+    serve it (it could not draw as the loop does); the loop runs its own code, the same draws as
+    the release from the same generator state, and ARGUMENTS is counted."""
+    def tensor_temperature(pipe):
+        loop = pipe._generate_text
+
+        def generate(*args, **kwargs):
+            kwargs["temperature"] = torch.tensor(kwargs["temperature"])
+            return loop(*args, **kwargs)
+        monkeypatch.setattr(pipe, "_generate_text", generate)
+        return pipe
+
+    request = _request(9, "tell me a story", text=20, do_sample=True, temperature=0.9)
+    release = tensor_temperature(_pipeline(checkpoint, cfg=False))
+    torch.manual_seed(5)
+    want = _answer(release.forward(_batch([request])))
+    pipe = tensor_temperature(_pipeline(checkpoint))
+    torch.manual_seed(5)
+    got = _answer(pipe.forward(_batch([request])))
+    assert got == want
+    assert reasons.ARGUMENTS.key in {k.split(": ", 1)[1] for k in stats.fallbacks(MODEL)}
+    assert stats.get(MODEL, "batch_launch") == 0
+
+
 def test_more_requests_than_rows_run_in_turns_of_rows(checkpoint):
     pipe = _pipeline(checkpoint, rows=2)
     requests = _text_requests()
