@@ -15,6 +15,10 @@ Scenarios (the request kinds the summary names):
   ``think`` and the image size/steps/seed in the body: the model's documented request form),
   ``sensenova_concurrent`` (several text prompts sent together, each compared with its own serial
   answer), then the sleep phase.
+* ``sensenova_batch``: ``sensenova_mixed_N`` (N = ``--concurrent``; a server started with
+  ``--max-num-seqs N``): ceil(N/2) text answers of distinct prompts and N/2 think images of
+  distinct prompts and seeds (``sensenova_mixed``), all sent at once, texts first, then the same
+  N one at a time; both recorded, each image as ``.npy``. No sleep phase.
 * ``qwen``: ``qwen_t2i`` (``/v1/images/generations``), ``qwen_edit`` (``/v1/images/edits`` with
   two reference images), ``qwen_edit_chat`` (the same edit through ``/v1/chat/completions`` with
   two ``image_url`` parts), ``qwen_concurrent_N`` (N text-to-image requests of distinct seeds,
@@ -24,10 +28,10 @@ Scenarios (the request kinds the summary names):
   of its output are recorded.
 
 Sleep phase: ``POST /v1/omni/sleep`` (level 1), ``/v1/omni/wakeup``, the first request again;
-then level 2 and wake-up again (vllm-omni 0.26 refuses to wake from level 2 with
-NotImplementedError: recorded, not hidden), and the first request once more. Without
-``--enable-sleep-mode`` the weights stay where they are; level 2 still clears the runner's
-graphs, which is where this plugin drops its own.
+then level 2 and wake-up again (vllm-omni 0.26 and 0.30 alike refuse to wake from level 2:
+``AsyncOmni.wake_up`` raises NotImplementedError, the endpoint answers 501; recorded, not hidden),
+and the first request once more. Without ``--enable-sleep-mode`` the weights stay where they are;
+level 2 still clears the runner's graphs, which is where this plugin drops its own.
 
 Written to ``OUT/result.json`` after every request kind (a later failure keeps what came
 before): per request its latency and output (text, think text, image sha256 and the uint8 array
@@ -59,12 +63,15 @@ SENSENOVA_PROMPT = "Describe a red cube on a wooden table in one sentence."
 SENSENOVA_CONCURRENT_PROMPTS = ("Name three colours.", "Count from one to five.",
                                 "What is a cube?", "Describe a wooden table.")
 THINK_PROMPT = "A red cube on a wooden table."
+THINK_PROMPTS = (THINK_PROMPT, "A blue sphere on a stone floor.", "Two green cones in the snow.",
+                 "A yellow cylinder beside a window.")
+MIXED_SEED = 200  # the mixed scenario's think images: seeds MIXED_SEED, MIXED_SEED + 1, ...
 QWEN_PROMPT = "a red cube on a wooden table"
 EDIT_PROMPT = "put the cube from the first image on the table from the second"
 SEED = 0
 IMAGE_SIZE = 32  # SenseNova-U1 tiny: 16 px per latent token; Qwen tiny: VAE 16x
 SLEEP_ENDPOINTS = ("/v1/omni/sleep", "/v1/omni/wakeup")
-SCENARIOS = ("sensenova", "qwen", "qwen_t2i", "refusal")
+SCENARIOS = ("sensenova", "sensenova_batch", "qwen", "qwen_t2i", "refusal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--text-tokens", type=int, default=32, help="greedy max_tokens (SenseNova)")
     p.add_argument("--sensenova-steps", type=int, default=2, help="think image steps (>= 2)")
     p.add_argument("--qwen-steps", type=int, default=4, help="Qwen steps: 0 extracts, rest replay")
-    p.add_argument("--concurrent", type=int, default=8, help="concurrent Qwen requests")
+    p.add_argument("--concurrent", type=int, default=8,
+                   help="concurrent requests: Qwen's, and sensenova_batch's mixed ones")
     p.add_argument("--init-timeout", type=int, default=300, help="server start limit, seconds")
     p.add_argument("--request-timeout", type=int, default=180, help="one request's limit")
     p.add_argument("--no-sleep", action="store_true", help="skip the sleep phase")
@@ -245,10 +253,11 @@ def sensenova_text(client, model: str, prompt: str, max_tokens: int) -> dict:
     return {"text": text, "s": took}
 
 
-def sensenova_think_image(client, model: str, steps: int) -> dict:
+def sensenova_think_image(client, model: str, steps: int, prompt: str = THINK_PROMPT,
+                          seed: int = SEED) -> dict:
     body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": THINK_PROMPT}]}],
-        modalities=["image"], seed=SEED,
+        model=model, messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+        modalities=["image"], seed=seed,
         extra_body={"think": True, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
                     "num_inference_steps": steps}))
     urls = chat_images(body)
@@ -406,6 +415,50 @@ def run_sensenova(rec: Recorder, client, url: str, model: str, args) -> None:
                                                       args.text_tokens), args)
 
 
+def _nth(prompts: tuple[str, ...], i: int) -> str:
+    """The i-th of ``prompts``, made distinct past their number."""
+    take = i // len(prompts)
+    return prompts[i % len(prompts)] + (f" Take {take + 1}." if take else "")
+
+
+def sensenova_mixed(n: int) -> list[dict]:
+    """The ``sensenova_mixed_N`` requests, in sending order: ceil(n/2) text answers, then n/2 think
+    images, every prompt distinct, every image its own seed.
+
+    vLLM-Omni's scheduler takes waiting requests in arrival order into one ``forward`` while
+    their sampling-parameter key (size, steps, guidance, ...) matches the first's, and a text
+    answer's never matches a think image's: texts first and images after lets each kind batch
+    among itself (interleaved, every wave would end at the next request of the other kind)."""
+    texts = [{"kind": "text", "prompt": _nth(SENSENOVA_CONCURRENT_PROMPTS, i)}
+             for i in range((n + 1) // 2)]
+    images = [{"kind": "think_image", "prompt": _nth(THINK_PROMPTS, i), "seed": MIXED_SEED + i}
+              for i in range(n // 2)]
+    return texts + images
+
+
+def run_sensenova_batch(rec: Recorder, client, url: str, model: str, args) -> None:
+    """``sensenova_mixed_N``: the N requests all at once, then the same N one at a time."""
+    n = args.concurrent
+    kind = f"sensenova_mixed_{n}"
+    requests = sensenova_mixed(n)
+
+    def send(spec):
+        if spec["kind"] == "text":
+            return sensenova_text(client, model, spec["prompt"], args.text_tokens)
+        return sensenova_think_image(client, model, args.sensenova_steps, spec["prompt"],
+                                     spec["seed"])
+
+    def mixed():
+        together, wall = concurrently([(lambda s=s: send(s)) for s in requests])
+        serial = [send(s) for s in requests]
+        return {"requests": requests, "concurrent_wall_s": wall,
+                "serial_s": round(sum(r["s"] for r in serial), 3),
+                "concurrent": [rec.entry(f"{kind}-concurrent-{i}", r)
+                               for i, r in enumerate(together)],
+                "serial": [rec.entry(f"{kind}-serial-{i}", r) for i, r in enumerate(serial)]}
+    _step(rec, kind, mixed)
+
+
 def run_qwen(rec: Recorder, client, url: str, model: str, args, only_t2i: bool = False) -> None:
     _step(rec, "qwen_t2i", lambda: rec.entry("qwen_t2i", qwen_t2i(client, model, args.qwen_steps)))
     if only_t2i:
@@ -464,6 +517,8 @@ def main(argv=None) -> int:
         rec.report["model"] = model
         if args.scenario == "sensenova":
             run_sensenova(rec, client, server.url, model, args)
+        elif args.scenario == "sensenova_batch":
+            run_sensenova_batch(rec, client, server.url, model, args)
         else:
             run_qwen(rec, client, server.url, model, args, only_t2i=args.scenario == "qwen_t2i")
         failed = any("error" in e for e in rec.report["requests"].values())

@@ -10,7 +10,12 @@
   the server computes them (SenseNova-U1's ``think`` and ``max_tokens`` as model extras; height,
   width, steps, seed, modalities), ``/v1/images/generations`` as its ``ImageGenerationRequest``,
   and the two-image ``/v1/images/edits`` multipart form through FastAPI with the signature of the
-  server's own ``edit_images`` route.
+  server's own ``edit_images`` route;
+* the ``sensenova_batch`` scenario against a stub that echoes each request: its requests (texts
+  first, then think images, all distinct), each concurrent answer recorded beside its own serial
+  answer, and the serving test's verdicts on them: ``mixed_equal`` (exact: a text one character
+  off, an image one level off both count), ``batch_evidence`` (what the batch counters prove) and
+  the summary's entry.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "e2e_serve.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import e2e_serve
+import test_e2e_serve_gpu as serve_gpu  # its comparisons and summary are pure; its tests need a GPU
 
 
 def test_driver_help_lists_its_scenarios():
@@ -222,3 +229,147 @@ def test_qwen_edit_multipart_form_parses_with_the_servers_edit_route_signature(c
     assert seen["prompt"] == e2e_serve.EDIT_PROMPT
     assert (seen["size"], seen["response_format"], seen["num_inference_steps"], seen["seed"]) == (
         "32x32", "b64_json", 4, e2e_serve.SEED)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mixed SenseNova-U1 batch (issue #22), against a stub that answers each request its own way
+# ---------------------------------------------------------------------------------------------
+
+def test_mixed_requests_are_distinct_texts_first_then_distinct_think_images():
+    requests = e2e_serve.sensenova_mixed(8)
+    assert [r["kind"] for r in requests] == ["text"] * 4 + ["think_image"] * 4
+    images = requests[4:]
+    assert len({r["prompt"] for r in requests[:4]}) == 4 and len({r["prompt"] for r in images}) == 4
+    assert len({r["seed"] for r in images}) == 4
+    more = e2e_serve.sensenova_mixed(11)
+    assert [r["kind"] for r in more].count("text") == 6
+    assert len({(r["kind"], r["prompt"]) for r in more}) == 11
+
+
+class _EchoStub(_Stub):
+    """Text: "echo: PROMPT"; image: every value the request's seed; think text: the prompt."""
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        content = request["messages"][0]["content"]
+        prompt = content if isinstance(content, str) else content[0]["text"]
+        if "image" in request["modalities"]:
+            pixels = np.full((32, 32, 3), request["seed"] % 256, dtype=np.uint8)
+            url = "data:image/png;base64," + base64.b64encode(e2e_serve.png_bytes(pixels)).decode()
+            answer = [{"type": "image_url", "image_url": {"url": url}}]
+        else:
+            answer = f"echo: {prompt}"
+        self._send({"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": answer}}],
+                    "metrics": {"think_text": f"think: {prompt}"}})
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+    """The ``sensenova_batch`` scenario's step, recorded as the serving test reads a server's."""
+    out = tmp_path_factory.mktemp("mixed")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        args = e2e_serve.parse_args(["--scenario", "sensenova_batch", "--model", "tiny",
+                                     "--out", str(out)])
+        rec = e2e_serve.Recorder(str(out), {"scenario": args.scenario, "client_pid": os.getpid()})
+        e2e_serve.run_sensenova_batch(rec, e2e_serve.make_client(url, 30), url, "tiny", args)
+    finally:
+        server.shutdown()
+    return {"name": "sensenova_batch8_on", "rc": 0, "dir": str(out), "log": "", "log_path": "",
+            "result": dict(rec.report, start="ready")}
+
+
+def _mixed_entry(run):
+    return run["result"]["requests"][serve_gpu.MIXED]
+
+
+def test_mixed_step_records_each_concurrent_answer_beside_its_own_serial_answer(mixed_run):
+    entry = _mixed_entry(mixed_run)
+    assert "error" not in entry, entry.get("traceback")
+    assert entry["requests"] == e2e_serve.sensenova_mixed(serve_gpu.CONCURRENT)
+    for phase in ("concurrent", "serial"):
+        for spec, answer in zip(entry["requests"], entry[phase]):
+            if spec["kind"] == "text":
+                assert answer["text"] == f"echo: {spec['prompt']}", (phase, spec, answer)
+            else:
+                assert answer["think_text"] == f"think: {spec['prompt']}"
+                image = np.load(os.path.join(mixed_run["dir"], answer["image"]["npy"]))
+                assert image.shape == (32, 32, 3) and (image == spec["seed"] % 256).all()
+    assert entry["concurrent_wall_s"] >= 0 and entry["serial_s"] >= 0
+
+
+def test_mixed_answers_equal_their_serial_answers_when_every_one_is_identical(mixed_run):
+    ok, detail = serve_gpu.mixed_equal(mixed_run)
+    assert ok and detail == {"requests": 8, "texts": 4, "think_images": 4, "differing": {}}, detail
+
+
+def test_mixed_comparison_names_a_text_one_character_off_and_an_image_one_level_off(mixed_run):
+    run = json.loads(json.dumps(mixed_run))  # a copy to change
+    together = _mixed_entry(run)["concurrent"]
+    together[0]["text"] = together[0]["text"][:-1] + "?"
+    # request 7's image (seed + 1: every value one level up) in place of request 6's, same think
+    # text: within images_match's tolerance, and still not bit-identical
+    together[6]["image"] = together[7]["image"]
+    ok, detail = serve_gpu.mixed_equal(run)
+    assert not ok
+    assert sorted(detail["differing"]) == [0, 6], detail
+    assert detail["differing"][0].startswith("text parts at character ")
+    assert detail["differing"][6] == "image: max |diff| 1/255 on 100.00% of values", detail
+    together[5]["think_text"] += "!"
+    assert serve_gpu.mixed_equal(run)[1]["differing"][5] == "think text parts at token " + str(
+        len(together[5]["think_text"]) - 1)
+
+
+def test_mixed_comparison_of_a_step_that_failed_or_did_not_run_is_none(mixed_run):
+    run = json.loads(json.dumps(mixed_run))
+    _mixed_entry(run).clear()
+    _mixed_entry(run)["error"] = "APITimeoutError: Request timed out."
+    assert serve_gpu.mixed_equal(run) == (None, "APITimeoutError: Request timed out.")
+    assert serve_gpu.mixed_equal({"result": None}) == (None, "not run")
+
+
+def _with_counters(run, *processes):
+    return dict(run, result=dict(run["result"], final_stats=[
+        {"pid": 100 + i, "counters": {f"sensenova_u1.{k}": v for k, v in counters.items()},
+         "fallbacks": {}} for i, counters in enumerate(processes)]))
+
+
+def test_batch_evidence_proves_several_requests_and_rows_only_by_counting_more_than_calls():
+    engine = {"batch_declared": 1}
+    batched = {"batch_declared": 1, "batch_forward": 11, "batch_requests": 16,
+               "batch_launch": 600, "batch_rows": 1100}
+    evidence = serve_gpu.batch_evidence(_with_counters({"result": {}}, engine, batched))
+    assert evidence["batch_declared"] == 2 and evidence["batch_forward"] == 11
+    assert evidence["several_requests_in_one_forward"] and evidence["several_rows_in_one_launch"]
+    # every request alone: one request per forward, one row per launch
+    alone = {"batch_forward": 8, "batch_requests": 8, "batch_launch": 300, "batch_rows": 300}
+    evidence = serve_gpu.batch_evidence(_with_counters({"result": {}}, alone))
+    assert not evidence["several_requests_in_one_forward"]
+    assert not evidence["several_rows_in_one_launch"]
+    assert serve_gpu.batch_evidence(None)["batch_launch"] == 0
+
+
+def test_summary_entry_of_the_mixed_batch_says_refused_off_equal_on_and_what_batched(mixed_run):
+    on = _with_counters(mixed_run, {"batch_declared": 1, "batch_forward": 10,
+                                    "batch_requests": 16, "batch_launch": 500, "batch_rows": 900})
+    off = {"name": "sensenova_batch8_off", "rc": 0, "dir": mixed_run["dir"], "log_path": "",
+           "result": {"start": "exited", "rc": 1, "requests": {}},
+           "log": "ValueError: 'SenseNovaU1Pipeline' does not support request-level batching."}
+    summary = serve_gpu.build_summary({"sensenova_batch8_on": on, "sensenova_batch8_off": off})
+    json.dumps(summary)
+    [entry] = [r for r in summary["requests"] if r["kind"] == serve_gpu.MIXED]
+    assert entry["concurrent_equals_serial"] is True and entry["plugin_on_equals_off"] is None
+    compare = entry["compare"]
+    assert compare["refused_by_vllm_omni_with_plugin_off"] is True
+    assert compare["plugin_off_server_start"] == "exited" and compare["max_num_seqs"] == 8
+    assert compare["concurrent_vs_serial"]["differing"] == {}
+    counters = compare["batch_counters_at_exit"]
+    assert counters["several_rows_in_one_launch"] and counters["several_requests_in_one_forward"]
+    assert entry["latency_s_on"] == _mixed_entry(mixed_run)["concurrent_wall_s"]
+    assert entry["serial_s_on"] == _mixed_entry(mixed_run)["serial_s"]
+    assert summary["servers"]["sensenova_batch8_off"]["start"] == "exited"

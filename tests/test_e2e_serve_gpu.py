@@ -1,6 +1,14 @@
-"""Serving for real (issue #14): ``vllm serve MODEL --omni`` on loopback, talked to over HTTP
-with the ``openai`` client, with the plugin off and on, on the tiny checkpoints of
+"""Serving for real (issues #14 and #22): ``vllm serve MODEL --omni`` on loopback, talked to over
+HTTP with the ``openai`` client, with the plugin off and on, on the tiny checkpoints of
 ``tests/test_e2e_engine_gpu.py`` (the same builder, the same tolerances and their reasons).
+
+Both stacks: ``scripts/gpu/run_suite.sh tests DIR`` runs this file against vllm-omni 0.26,
+``STACK=0.30 scripts/gpu/run_suite.sh tests DIR`` against vllm-omni 0.30 (the servers import
+whatever the test's PYTHONPATH holds; ``OMNI_RELEASE`` is read from its metadata). Where the
+releases differ, the test says so: on 0.30 SenseNova-U1 has its own paged decode, which the
+plugin leaves in charge at ``--max-num-seqs 1`` (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer``,
+the default), so ``sensenova_on``'s replays are its image denoising's; above 1 the plugin's batched
+decode serves every request on both releases.
 
 ``tests/e2e_serve.py`` runs one server per case, all started side by side:
 
@@ -16,6 +24,16 @@ with the ``openai`` client, with the plugin off and on, on the tiny checkpoints 
                                    request batching for its diffusers adapter
                                    (``supports_request_batch = False``) before loading anything;
                                    if a release accepts it, the 8 concurrent requests run there
+    sensenova_batch8_off           =0 with ``--max-num-seqs 8``: vllm-omni refuses request batching
+                                   for SenseNova-U1 (its class does not declare it) before
+                                   loading anything, "'SenseNovaU1Pipeline' does not support
+                                   request-level batching"; the server must not start
+    sensenova_batch8_on            =1 with ``--max-num-seqs 8`` (issue #22: the plugin declares
+                                   request batching): the server starts; 4 text answers and 4
+                                   think images (distinct prompts and seeds) sent at once, then
+                                   the same 8 one at a time; each answer sent together must equal
+                                   its serial answer exactly, and the worker's counters must show
+                                   batched forwards and launches of several requests
     qwen_cannot_wire               =1 with ``tests/e2e_shim_moved`` on PYTHONPATH, which gives one
                                    diffusers method the plugin checks another signature (the
                                    method still works): the plugin refuses to wire, the server
@@ -28,31 +46,41 @@ Every server: ``DIFFUSION_ATTENTION_BACKEND=TORCH_SDPA`` and ``tests/e2e_shim`` 
 PYTHONPATH (two upstream problems of 0.26, identical with the plugin off and on; see
 tests/test_e2e_engine_gpu.py).
 
-Concurrency on vllm-omni 0.26: a diffusion stage runs one request at a time unless its pipeline
-declares request batching, which neither SenseNova-U1's nor the diffusers adapter's does, so the
-concurrent requests queue in the engine; each must still equal its own serial answer.
+Concurrency: a diffusion stage runs one request at a time unless its pipeline declares request
+batching and the server runs ``--max-num-seqs`` above 1. Upstream, neither SenseNova-U1's nor the
+diffusers adapter's pipeline declares it (0.26 and 0.30), and every server here but
+``sensenova_batch8_on`` runs at the default of 1, so their concurrent requests queue in the engine;
+each must still equal its own serial answer. At ``--max-num-seqs 8`` vLLM-Omni's scheduler hands one
+``forward`` the waiting requests in arrival order while their sampling-parameter key (size, steps,
+guidance, ...) matches the first's: text answers and think images never share a forward, text
+answers batch among themselves, think images among themselves.
 
 Sleep: vllm-omni's ``/v1/omni/sleep`` and ``/v1/omni/wakeup`` (vllm's own ``/sleep`` needs
 VLLM_SERVER_DEV_MODE and calls ``sleep(level)`` positionally, which AsyncOmni reads as
-``stage_ids``). Level 2 clears the runner's graphs (the plugin's are released there); 0.26 then
-refuses ``wake_up`` (NotImplementedError: weights discarded at level 2 cannot be reloaded yet). The
-servers run without ``--enable-sleep-mode``, so weights stay and the request after each sleep
-must equal the one before, graphs re-captured.
+``stage_ids``). Level 2 clears the runner's graphs (the plugin's are released there); 0.26 and
+0.30 then refuse ``wake_up`` (``AsyncOmni.wake_up``: NotImplementedError, weights discarded at
+level 2 cannot be reloaded yet; the endpoint answers 501) and the next request is refused with the
+plugin off and on alike, which is skipped with the refusal. The servers run without
+``--enable-sleep-mode``, so weights stay and the request after a level-1 sleep must equal the one
+before, graphs re-captured.
 
-Data parallelism (two replicas) is not run: vllm-omni 0.26 rejects ``--data-parallel-size`` under
-``--omni`` (replicas come from a per-stage ``num_replicas`` in a deploy YAML or
-``--omni-dp-size-local`` on headless stage processes) and this test runs on one GPU.
+Data parallelism (two replicas) is not run: vllm-omni 0.26 and 0.30 reject
+``--data-parallel-size`` under ``--omni`` (replicas come from a per-stage ``num_replicas`` in a
+deploy YAML or ``--omni-dp-size-local`` on headless stage processes) and this test runs on one GPU.
 
 ``GRAPHDECODE_SERVE_OUT`` (default: a temporary folder) receives each server's ``server.log``,
 ``result.json``, stats files and images, and ``summary.json`` (one entry per request kind);
 ``GRAPHDECODE_SERVE_TIMEOUT`` (default 300 s) bounds each server's start,
 ``GRAPHDECODE_SERVE_PARALLEL`` (default: all) how many run at once. On one H200 the whole file
-should take 3-5 minutes (each server start is 30-60 s of imports, worker spawn and CUDA init,
-longer when eight start together).
+took 3-5 minutes with eight servers (each server start is 30-60 s of imports, worker spawn and
+CUDA init, longer when eight start together); the two batch cases start beside them, and
+``sensenova_batch8_on``'s requests (8 at once, 8 in turn: four 32-token texts and four 32x32 think
+images of 2 steps, 1,024 think tokens each) take seconds on the tiny checkpoint.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -75,6 +103,7 @@ CONCURRENT = 8
 QWEN_ARGS = ["--diffusion-load-format", "diffusers",
              "--diffusers-call-kwargs", json.dumps({"output_resolution": 32})]
 SENSENOVA_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
+BATCH_ARGS = ["--max-num-seqs", str(CONCURRENT)]
 BAD = ("VLLM_OMNI_GRAPHDECODE_QWEN_MODE", "turbo")
 # name: (model, scenario, plugin env, extra serve args, extra PYTHONPATH entries)
 CASES = {
@@ -86,14 +115,38 @@ CASES = {
                                              "VLLM_OMNI_GRAPHDECODE_QWEN_MODE": "exact"},
                    QWEN_ARGS, []),
     "qwen_batch8": ("qwen_image_21", "qwen", {"VLLM_OMNI_GRAPHDECODE": "1"},
-                    QWEN_ARGS + ["--max-num-seqs", str(CONCURRENT)], []),
+                    QWEN_ARGS + BATCH_ARGS, []),
+    "sensenova_batch8_off": ("sensenova_u1", "refusal", {"VLLM_OMNI_GRAPHDECODE": "0"},
+                             SENSENOVA_ARGS + BATCH_ARGS, []),
+    "sensenova_batch8_on": ("sensenova_u1", "sensenova_batch", {"VLLM_OMNI_GRAPHDECODE": "1"},
+                            SENSENOVA_ARGS + BATCH_ARGS, []),
     "qwen_cannot_wire": ("qwen_image_21", "qwen_t2i", {"VLLM_OMNI_GRAPHDECODE": "1"}, QWEN_ARGS,
                          [MOVED_SHIM]),
     "bad_variable": ("qwen_image_21", "refusal", {"VLLM_OMNI_GRAPHDECODE": "1", BAD[0]: BAD[1]},
                      QWEN_ARGS, []),
 }
-# What vllm-omni says when a pipeline cannot batch requests (diffusion_engine.py, 0.26 and 0.30).
+# What vllm-omni says when a pipeline cannot batch requests (diffusion_engine.py, 0.26 and 0.30:
+# f"{od_config.model_class_name!r} does not support request-level batching. ...").
 NO_REQUEST_BATCH = "does not support request-level batching"
+MIXED = f"sensenova_mixed_{CONCURRENT}"  # e2e_serve.py's request kind of sensenova_batch8_on
+# SenseNova-U1's counters of the batched path (hooks/sensenova_u1/batch.py, batch_decode.py).
+BATCH_COUNTERS = ("batch_declared", "batch_forward", "batch_requests", "batch_launch",
+                  "batch_rows", "batch_row_join", "batch_capture", "batch_eager_launch")
+
+
+def _omni_release() -> tuple[int, ...]:
+    """vllm-omni's (major, minor) on this PYTHONPATH, which the servers import too; () if none."""
+    try:
+        version = importlib.metadata.version("vllm-omni")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+OMNI_RELEASE = _omni_release()
+# From 0.30 SenseNova-U1 ships its own paged decode, which the plugin defers to by default at
+# --max-num-seqs 1 (hooks/sensenova_u1/wiring.py: "... which stays in charge").
+IN_TREE_DECODE = OMNI_RELEASE >= (0, 30)
 
 
 def _run_case(name: str, ckpts: dict[str, str], outdir: str, timeout: int) -> dict:
@@ -248,6 +301,51 @@ def _concurrent_equal(run, kind) -> tuple[bool | None, str]:
     return not bad, f"{len(entry['serial'])} requests, differing: {bad}"
 
 
+def mixed_equal(run, kind: str = MIXED) -> tuple[bool | None, dict | str]:
+    """Each request of ``kind`` sent together equals the same request sent alone, exactly: the
+    same text; the same think text and a bit-identical image (sha256 of the uint8 array;
+    ``images_match`` says how far apart when not). None when the step did not run."""
+    entry = _entry(run, kind)
+    if not entry or "error" in entry:
+        return None, "not run" if not entry else entry["error"]
+    specs, serial, together = entry["requests"], entry["serial"], entry["concurrent"]
+    if not len(specs) == len(serial) == len(together):
+        return False, f"{len(specs)} requests, {len(serial)} serial, {len(together)} concurrent"
+    differing = {}
+    for i, (spec, alone, mixed) in enumerate(zip(specs, serial, together)):
+        if spec["kind"] == "text":
+            diff = first_difference(alone["text"], mixed["text"])
+            if diff is not None:
+                differing[i] = f"text parts at character {diff}"
+        elif alone.get("think_text") != mixed.get("think_text"):
+            diff = first_difference(alone["think_text"] or "", mixed["think_text"] or "")
+            differing[i] = f"think text parts at token {diff}"
+        elif alone["image"]["sha256"] != mixed["image"]["sha256"]:
+            differing[i] = "image: " + images_match(run, alone["image"], run, mixed["image"])[1]
+    kinds = [spec["kind"] for spec in specs]
+    return not differing, {"requests": len(specs), "texts": kinds.count("text"),
+                           "think_images": kinds.count("think_image"), "differing": differing}
+
+
+def batch_evidence(run) -> dict:
+    """SenseNova-U1's batched-path counters summed over the server's processes at exit (exact:
+    each process writes at exit), and what they prove by counting:
+
+    * ``batch_forward`` (batch.py): a ``forward`` served through the batched path, the
+      ``turns`` group whose decode loops meet in one launch; ``batch_requests``: the requests
+      of those forwards. ``batch_requests > batch_forward``: some forward was handed two or more.
+    * ``batch_launch`` (batch_decode.py): one batched decode launch; ``batch_rows``: the rows
+      decoded, summed over launches (no per-launch count is recorded). ``batch_rows >
+      batch_launch``: some launch decoded two or more requests' rows together.
+    """
+    counters = _counters(run)
+    found = {key: counters.get(f"sensenova_u1.{key}", 0) for key in BATCH_COUNTERS}
+    return dict(found,
+                several_requests_in_one_forward=found["batch_requests"] > found["batch_forward"],
+                several_rows_in_one_launch=found["batch_rows"] > found["batch_launch"],
+                fallbacks={k: v for k, v in counters.items() if k.startswith("fallback:")})
+
+
 def build_summary(done: dict) -> dict:
     """summary.json: one entry per request kind (off vs on, concurrent vs serial, latencies,
     worker counters), every server's start and exit, and where its log is."""
@@ -293,6 +391,15 @@ def build_summary(done: dict) -> dict:
         {"server_start": batch8.get("start"), "refused_by_vllm_omni":
          NO_REQUEST_BATCH in (g("qwen_batch8") or {}).get("log", "")},
         concurrent=_safe(lambda: _concurrent_equal(g("qwen_batch8"), kind))[0])
+    batch_off = g("sensenova_batch8_off") or {}
+    mixed = _safe(lambda: mixed_equal(g("sensenova_batch8_on")))
+    add(MIXED, "sensenova_batch8_on", "sensenova_batch8_off", None,
+        {"max_num_seqs": CONCURRENT,
+         "plugin_off_server_start": (batch_off.get("result") or {}).get("start"),
+         "refused_by_vllm_omni_with_plugin_off": NO_REQUEST_BATCH in batch_off.get("log", ""),
+         "concurrent_vs_serial": mixed[1],
+         "batch_counters_at_exit": batch_evidence(g("sensenova_batch8_on"))},
+        concurrent=mixed[0])
     for model, on_case, off_case in (("sensenova", "sensenova_on", "sensenova_off"),
                                      ("qwen", "qwen_on", "qwen_off")):
         for level in (1, 2):
@@ -313,9 +420,10 @@ def build_summary(done: dict) -> dict:
                          "cmd": result.get("cmd"), "env": result.get("env")}
     return {"requests": requests, "servers": servers,
             "bad_variable": _bad_variable_lines(g("bad_variable")),
-            "data_parallel": "not run: vllm-omni 0.26 rejects --data-parallel-size under --omni "
-                             "(replicas come from a deploy YAML's num_replicas or headless "
-                             "--omni-dp-size-local) and this run has one GPU"}
+            "vllm_omni": ".".join(map(str, OMNI_RELEASE)) or None,
+            "data_parallel": "not run: vllm-omni 0.26 and 0.30 reject --data-parallel-size under "
+                             "--omni (replicas come from a deploy YAML's num_replicas or "
+                             "headless --omni-dp-size-local) and this run has one GPU"}
 
 
 def _safe(fn):
@@ -390,7 +498,9 @@ def _error_core(error: str) -> str:
 
 
 COUNTERPART = {"sensenova_on": "sensenova_off", "sensenova_off": "sensenova_on",
-               "qwen_on": "qwen_off", "qwen_exact": "qwen_off", "qwen_off": "qwen_on"}
+               "qwen_on": "qwen_off", "qwen_exact": "qwen_off", "qwen_off": "qwen_on",
+               # plugin off, this server does not start: no request of it is a refusal to share
+               "sensenova_batch8_on": "sensenova_batch8_off"}
 
 
 def _vllm_omni_refusal(run_a, run_b, kind) -> str | None:
@@ -422,7 +532,8 @@ def _ok(run, kind):
     return entry
 
 
-SERVING = ("sensenova_off", "sensenova_on", "qwen_off", "qwen_on", "qwen_exact")
+SERVING = ("sensenova_off", "sensenova_on", "qwen_off", "qwen_on", "qwen_exact",
+           "sensenova_batch8_on")
 
 
 @pytest.mark.parametrize("case", SERVING)
@@ -506,15 +617,86 @@ def test_max_num_seqs_8_serves_equal_results_or_is_refused_by_vllm_omni(runs):
                                         ("qwen_on", "qwen_image_21"),
                                         ("qwen_exact", "qwen_image_21")])
 def test_worker_counters_show_graph_replays_over_http(runs, case, model):
+    """On vllm-omni 0.30 SenseNova-U1's own paged decode stays in charge at ``--max-num-seqs 1``
+    (``defer``, the default; the load line says so and "decode not wired"): there the replays
+    are the image denoising's, ``sensenova_u1_image.replay``."""
     run = runs[case]
     counters = _counters(run)
     snaps = (run["result"] or {}).get("final_stats") or []
-    wired = [s for s in snaps if any(f"graphdecode: {model}: " in w and "not wired" not in w
+    deferred = model == "sensenova_u1" and IN_TREE_DECODE
+    if deferred:
+        def says(w):
+            return "which stays in charge" in w and "nothing wired" not in w
+        replays = f"{model}_image.replay"
+    else:
+        def says(w):
+            return "not wired" not in w
+        replays = f"{model}.replay"
+    wired = [s for s in snaps if any(f"graphdecode: {model}: " in w and says(w)
                                      for w in s.get("wired", []))]
-    assert wired, f"{case}: {model} not wired: {snaps}"
-    assert counters.get(f"{model}.replay", 0) > 0, f"{case}: no replays: {counters}"
+    assert wired, f"{case}: {model} not wired (vllm-omni {OMNI_RELEASE}): {snaps}"
+    assert counters.get(replays, 0) > 0, f"{case}: no {replays}: {counters}"
     assert all(s["pid"] != run["result"]["client_pid"] for s in wired)
     print(f"{case}: {counters}")
+
+
+def test_sensenova_max_num_seqs_8_with_plugin_off_is_refused_by_vllm_omni(runs):
+    """Plugin off, SenseNova-U1's class declares no request batching: vllm-omni's engine refuses
+    ``--max-num-seqs 8`` at start-up, naming the pipeline (0.26 and 0.30 alike)."""
+    run = runs["sensenova_batch8_off"]
+    result = run["result"] or {}
+    assert result.get("start") == "exited", f"sensenova_batch8_off: server {result.get('start')}"
+    assert result.get("rc") not in (0, None), result
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", run["log"])
+    assert f"'SenseNovaU1Pipeline' {NO_REQUEST_BATCH}" in plain, _tail(run)
+
+
+def test_sensenova_max_num_seqs_8_with_plugin_on_starts_with_batched_decode_wired(runs):
+    """Plugin on: the class declares request batching where the engine starts, the server
+    starts, and the worker wires the batched decode for ``--max-num-seqs 8`` (its load line)."""
+    run = runs["sensenova_batch8_on"]
+    result = run["result"] or {}
+    assert result.get("start") == "ready", f"sensenova_batch8_on: server {result.get('start')}. " \
+                                           f"{_tail(run)}"
+    assert NO_REQUEST_BATCH not in run["log"], _tail(run)
+    lines = [w for s in result.get("final_stats") or [] for w in s.get("wired", [])
+             if "graphdecode: sensenova_u1: " in w]
+    batched = f"batched decode of up to {CONCURRENT} requests"
+    assert any(batched in w and f"{batched} refused" not in w for w in lines), lines
+    assert batch_evidence(run)["batch_declared"] > 0, batch_evidence(run)
+
+
+def test_mixed_sensenova_requests_sent_together_equal_their_serial_answers_exactly(runs):
+    """``--max-num-seqs 8``, plugin on: 4 text answers and 4 think images sent at once, each equal
+    to the same request sent alone afterwards: the same text, the same think text, a
+    bit-identical image (issue #22: a request's answer does not depend on what decodes beside
+    it; batch of one and batch of several run the same batched path). vLLM-Omni's scheduler
+    batches only requests of one sampling-parameter key, so a text answer and a think image
+    never share a forward; the texts batch among themselves, the images too."""
+    _ok(runs["sensenova_batch8_on"], MIXED)
+    ok, detail = mixed_equal(runs["sensenova_batch8_on"])
+    print(f"{MIXED}: {detail}")
+    assert ok, detail
+    assert detail["requests"] == CONCURRENT and detail["texts"] and detail["think_images"], detail
+
+
+def test_worker_counters_show_batched_forwards_and_launches_of_several_requests(runs):
+    """The batched path ran and really batched (``batch_evidence``: counters of
+    hooks/sensenova_u1/batch.py and batch_decode.py): ``batch_forward`` and ``batch_launch`` > 0;
+    ``batch_requests > batch_forward`` (a forward was handed several requests) and
+    ``batch_rows > batch_launch`` (a launch decoded several rows: batch_decode.py records rows
+    summed over launches, not per launch, so this is how "a launch of more than one row" shows).
+    The first request to arrive may run alone; the ones queued behind it share a forward."""
+    run = runs["sensenova_batch8_on"]
+    _ok(run, MIXED)
+    evidence = batch_evidence(run)
+    print(f"sensenova_batch8_on: {evidence}")
+    assert evidence["batch_forward"] > 0 and evidence["batch_launch"] > 0, evidence
+    assert evidence["several_requests_in_one_forward"], evidence
+    assert evidence["several_rows_in_one_launch"], evidence
+    launched = [s for s in run["result"]["final_stats"]
+                if (s.get("counters") or {}).get("sensenova_u1.batch_launch")]
+    assert all(s["pid"] != run["result"]["client_pid"] for s in launched), launched
 
 
 @pytest.mark.parametrize("case", ["sensenova_off", "qwen_off"])
@@ -525,8 +707,9 @@ def test_plugin_off_writes_no_counters(runs, case):
 @pytest.mark.parametrize("case", ["sensenova_on", "qwen_on", "sensenova_off", "qwen_off"])
 @pytest.mark.parametrize("level", [1, 2])
 def test_request_after_sleep_equals_the_one_before(runs, case, level):
-    """Level 2 on vLLM-Omni 0.26: its wake-up does not bring the weights back, and the next
-    request is refused with the plugin off as with it on; that is skipped with the refusal."""
+    """Level 2 on vLLM-Omni 0.26 and 0.30: its wake-up is refused (NotImplementedError, 501) and
+    the next request is refused with the plugin off as with it on; that is skipped with the
+    refusal."""
     _ok_unless_refused(runs[COUNTERPART[case]], runs[case], f"sleep_level{level}")
     ok, detail = _sleep_equal(runs[case], level)
     print(f"{case} sleep level {level}: {detail}")
@@ -557,6 +740,6 @@ def test_plugin_that_cannot_wire_leaves_the_server_serving_eagerly(runs):
 
 
 def test_two_replicas_through_vllm_omni_data_parallelism():
-    pytest.skip("not run: vllm-omni 0.26 rejects --data-parallel-size under --omni (replicas come "
-                "from a deploy YAML's num_replicas or headless --omni-dp-size-local), and this "
-                "run has one GPU")
+    pytest.skip("not run: vllm-omni 0.26 and 0.30 reject --data-parallel-size under --omni "
+                "(replicas come from a deploy YAML's num_replicas or headless "
+                "--omni-dp-size-local), and this run has one GPU")
