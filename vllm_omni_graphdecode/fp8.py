@@ -1,0 +1,200 @@
+"""FP8 (e4m3) copies of a decode step's linear weights, read by vLLM's Marlin GEMM (no model).
+
+Why: a decode step at 1-16 rows is bound by the bytes of its weights. On the H200 the 42 layers
+of SenseNova-U1's decode GEMVs read 16.2 GB in bf16 and take 4.59 ms as one graph; with e4m3
+weights they read half. Measured there, the same chain as one graph at 1 / 8 / 16 rows
+(``benchmarks/probes/fp8_gemv.py``, ``benchmarks/results/h200-2026-12-01f/fp8-probe-0.26``), ms:
+
+    cuBLAS bf16                                     4.59 / 4.84 / 4.62   (relative error 0)
+    vLLM Marlin W8A16 (e4m3 weights, bf16 inputs)   3.31 / 3.33 / 3.38   (2.66%)
+    vLLM CUTLASS W8A8, dynamic per-token inputs     3.09 / 3.16 / 3.18   (3.75%)
+    torch._scaled_mm W8A8, the same inputs          5.02 / 5.01 / 4.86   (3.74%)
+    a hand-written Triton W8A16 (tensor-core tile)  5.15 / 5.85 / 5.10   (2.65%)
+
+Marlin is what runs: the activations stay bf16 (only the weights' rounding changes, error 2.66%
+of a layer's output against 3.75% when the inputs are quantised too), 7% behind CUTLASS W8A8 and
+well-kept by vLLM. The hand-written kernel was slower than cuBLAS and is not used. Marlin's
+configuration is chosen from the shape by fixed rules (no timing at load) and its reduction
+across thread blocks runs in a fixed order (``use_atomic_add`` stays off, vLLM's default), so
+every process rounds a request the same way (issue #22's lesson); a step at a fixed row count
+(the batched step's 16 rows) computes each row the same whatever the others hold.
+
+Quantisation: per output channel (one scale a weight row, ``amax / 448``), once, when the step
+is built, from the layer's bf16 weight, which stays where it is: prefill, the eager fallbacks,
+the unquantised step modes and LoRA still read it, so the copies cost half the bf16 bytes of the
+layers they cover (``Fp8Linears.nbytes``). A copy remembers its source's storage and version and
+is made again when the weight was replaced or written (sleep level 2 and wake-up, an update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+
+from . import gemv, stats
+from .reasons import Reason
+
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+NO_FP8 = Reason("FP8 weights unavailable",
+                "a CUDA GPU of compute capability 8.0 or newer and a CUDA build of vllm with its "
+                "Marlin GEMM (the step's linear layers then read their bf16 weights)")
+LAYER_KEPT = Reason("layer kept in bf16",
+                    "nothing to change for LoRA: an adapter's layer runs its own bf16 kernel. "
+                    "FP8 copies cover unquantised vllm linear layers without active LoRA "
+                    "adapters, hooks or tensor parallelism (the detail names the layer)")
+
+
+def available(device) -> Reason | None:
+    """Why FP8 weights cannot run on ``device``, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NO_FP8.because(f"device is {device}")
+    if FP8_DTYPE is None:
+        return NO_FP8.because(f"torch {torch.__version__} has no float8_e4m3fn")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return NO_FP8.because(f"compute capability {major}.{minor}")
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+        from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Marlin here
+        return NO_FP8.because(f"vllm's Marlin FP8 not importable ({type(exc).__name__}: {exc})")
+    if not hasattr(torch.ops._C, "marlin_gemm"):
+        return NO_FP8.because("vllm's _C has no marlin_gemm")
+    return None
+
+
+def quantize_rows(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w8, scale)``: ``weight`` [N, K] as e4m3 with one fp32 scale per row, ``weight[n] ~=
+    w8[n] * scale[n]``. Rows of zeros get scale 1 (their e4m3 values are zeros). Done ``chunk``
+    rows at a time so the fp32 temporary stays small."""
+    n, _ = weight.shape
+    w8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, chunk):
+        rows = weight[start:start + chunk].float()
+        amax = rows.abs().amax(dim=1)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        w8[start:start + chunk] = (rows / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start:start + chunk] = s
+    return w8, scale
+
+
+def dequantize(w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight an e4m3 copy stands for (tests, accuracy reports)."""
+    return w8.float() * scale[:, None]
+
+
+@contextlib.contextmanager
+def _quiet_marlin_notice():
+    # prepare_fp8_layer_for_marlin logs, once, that "your GPU does not have native support for
+    # FP8": written for checkpoints stored in FP8 on older GPUs, untrue and alarming here.
+    log = logging.getLogger("vllm.model_executor.layers.quantization.utils.marlin_utils_fp8")
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = was
+
+
+class Fp8Weight:
+    """One linear layer's e4m3 copy, repacked for Marlin. ``__call__(x)``: ``x @ W.T + bias`` for
+    ``x`` [..., K] bf16, one kernel launch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8 as marlin
+
+        self.n, self.k = weight.shape
+        w8, scale = quantize_rows(weight.detach())
+        holder = torch.nn.Module()  # what vLLM's helper reads and rewrites: not the model's layer
+        holder.weight = torch.nn.Parameter(w8, requires_grad=False)
+        holder.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        holder.bias = (None if bias is None
+                       else torch.nn.Parameter(bias.detach().clone(), requires_grad=False))
+        holder.output_size_per_partition, holder.input_size_per_partition = self.n, self.k
+        holder.orig_dtype = weight.dtype
+        with _quiet_marlin_notice():
+            marlin.prepare_fp8_layer_for_marlin(holder, size_k_first=False)
+        self._apply = marlin.apply_fp8_marlin_linear
+        self._holder = holder
+        self._source = _version(weight), _version(bias)
+
+    def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the layer's weight or bias was replaced or written since this copy."""
+        return self._source != (_version(weight), _version(bias))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._holder.parameters())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._holder
+        return self._apply(x, h.weight, h.weight_scale, h.workspace, self.n, self.k, h.bias)
+
+
+def _version(t: torch.Tensor | None):
+    if t is None:
+        return None
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: storage only
+        version = None
+    return t.data_ptr(), version
+
+
+class Fp8Linears:
+    """The step's linear layers through FP8 copies: what ``fused_step.Fusion`` calls in place of
+    the modules' own GEMMs (``gemv.Gemv``'s interface). ``model``: the stats key's model.
+
+    ``quantize(modules)`` makes the copies at load; a call for a layer that cannot use one (a LoRA
+    wrapper with an active adapter, a quantised or hooked layer) runs the module itself, counted
+    under ``LAYER_KEPT``. Inside a graph that decision is taken once, at capture."""
+
+    name = "FP8 weights (vLLM Marlin W8A16)"
+
+    def __init__(self, model: str):
+        self.model = model
+        self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def quantize(self, modules) -> list[str]:
+        """Make the copies of ``modules`` (name -> layer); returns why each one left is kept."""
+        kept = []
+        for name, module in modules.items():
+            if gemv.Gemv.plain(module):
+                self._copies[module] = Fp8Weight(module.weight, module.bias)
+            else:
+                kept.append(name)
+        return kept
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._copies.values())
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def _copy_for(self, module):
+        base = gemv.base_of_inactive_lora(module)
+        if base not in self._copies or not gemv.Gemv.plain(base):
+            return None
+        copy = self._copies[base]
+        if copy.stale(base.weight, base.bias):
+            copy = self._copies[base] = Fp8Weight(base.weight, base.bias)
+        return copy
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        copy = self._copy_for(module)
+        if copy is None:
+            stats.degraded(self.model, LAYER_KEPT.because(
+                f"{type(module).__name__} (LoRA adapter active, quantised, hooked or not copied)"))
+            return module(x)[0]
+        return copy(x)
+
+    def mlp_tail(self, module, gate_up, residual):
+        return None  # the caller runs SiLU-and-multiply, the down projection and the add
