@@ -172,7 +172,8 @@ SCRIPT = textwrap.dedent("""
     answers = {{}}
     for rows in (1, 4):
         cfg = config.parse({{"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                            "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover"}})
+                            "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+                            **json.loads(sys.argv[1])}})
         pipe = rm.load_sensenova_pipeline({ckpt!r}, device="cuda", dtype=torch.bfloat16)
         hook.install(pipe, cfg, None, rows=rows)
         requests = [_request(0, "a red cube on a table", text=300),
@@ -187,14 +188,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_path):  # noqa: F811
-    """The batch-1 path (tuned GEMVs in Inductor's deterministic mode) and the batched path: two
+@pytest.mark.parametrize("env", [{}, {"VLLM_OMNI_GRAPHDECODE_FP8": "on"}], ids=["bf16", "fp8"])
+def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_path, env):  # noqa: F811
+    """The batch-1 path and the batched path, bf16 and with FP8 weights (Marlin): two
     processes, the same answers (issue #22: two engine runs parted at think token 693)."""
     script = tmp_path / "answers.py"
     script.write_text(SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), ckpt=checkpoint))
     runs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, str(script), json.dumps(env)],
+                              capture_output=True, text=True,
                               timeout=900, env=dict(os.environ))
         line = next((l for l in proc.stdout.splitlines() if l.startswith("ANSWERS ")), None)
         assert line, proc.stdout[-2000:] + proc.stderr[-4000:]

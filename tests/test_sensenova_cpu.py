@@ -609,3 +609,26 @@ def test_removing_an_accelerate_hook_brings_the_fast_path_back(tiny, eager_think
     _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), eager_think(SHORT))
     assert stats.get(MODEL, "paged_request") == 1 and stats.fallbacks(MODEL) == {
         f"{MODEL}: {hook.HOOKED}": 1}
+
+
+def test_fp8_on_takes_the_in_tree_decode_over_and_counts_why_it_runs_bf16_here(
+        tiny, eager_think, in_tree_spy):
+    """With FP8 weights asked for, 0.30's in-tree decode (which has none) stands aside under the
+    default ``defer``; on a CPU the copies cannot run, so the step reads bf16, counted."""
+    want = eager_think(SHORT)
+    in_tree_spy.clear()
+    pipe, summary = _paged_pipeline(tiny, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE="defer",
+                                                   VLLM_OMNI_GRAPHDECODE_FP8="on"))
+    assert "in-tree decode context taken over (FP8 weights run in this plugin's step only)" \
+        in summary
+    assert stats.degraded_paths(MODEL)[f"{MODEL}: FP8 weights unavailable"] == 1
+    _assert_same_think(st.run_think(pipe, tiny.ids, SHORT), want)
+    assert in_tree_spy == [] and stats.get(MODEL, "paged_request") == 1
+
+
+def test_fp8_with_the_exact_step_is_counted_as_running_bf16(tiny):
+    _, summary = _paged_pipeline(tiny, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_FP8="sensenova_decode",
+                                                VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP="exact"))
+    assert "FP8" not in summary
+    assert stats.degraded_paths(MODEL)[f"{MODEL}: FP8 weights need the fused step"] == 1
+    assert f"{MODEL}: FP8 weights unavailable" not in stats.degraded_paths(MODEL)

@@ -67,6 +67,14 @@ def doctor_report() -> dict:
         report["decode_step_ops"] = layer_ops.describe_step_ops()
     except Exception as exc:
         report["decode_step_ops"] = f"unknown: {exc!r}"
+    try:
+        from . import fp8
+
+        why = fp8.available("cuda:0" if report.get("gpu") else "cpu")
+        report["fp8_weights"] = ("vLLM Marlin W8A16 (e4m3 weights, bf16 activations)"
+                                 if why is None else f"unavailable: {why.describe()}")
+    except Exception as exc:
+        report["fp8_weights"] = f"unknown: {exc!r}"
     from . import loading
     from .hooks import MODEL_KEYS, load
 
@@ -104,6 +112,7 @@ def _print_doctor(report: dict) -> None:
     print(f"  paged-attention kernel: {report['paged_attention_kernel']}")
     print(f"  Qwen-Image-2.1 fast step's {report['dense_attention']}")
     print(f"  {report['decode_step_ops']}")
+    print(f"  FP8 weights ({config.FP8_VAR}): {report['fp8_weights']}")
     print(f"  vllm-omni supported: {report['vllm_omni_supported']}")
     if "config_error" in report:
         print(f"  configuration: INVALID: {report['config_error']}")

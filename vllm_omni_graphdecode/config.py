@@ -22,6 +22,9 @@ TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
 SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
 SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
 SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
+FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
+# The hot paths that can read FP8 weight copies (issue #23); ``on`` means all of them.
+FP8_PATHS = ("sensenova_decode",)
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -109,6 +112,19 @@ def _int_list(var: str, raw: str) -> tuple[int, ...]:
     return values
 
 
+def _parse_fp8(var: str, raw: str) -> frozenset[str]:
+    value = raw.strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return frozenset()
+    if value in ("1", "on", "true", "yes", "all"):
+        return frozenset(FP8_PATHS)
+    paths = [p.strip() for p in value.split(",") if p.strip()]
+    if not paths or any(p not in FP8_PATHS for p in paths):
+        raise _bad(var, raw, "off (default), on (every FP8 path), or a comma list of "
+                   + ", ".join(FP8_PATHS))
+    return frozenset(paths)
+
+
 def _path_or_off(var: str, raw: str) -> str:
     value = raw.strip()
     return "" if value.lower() in ("", "0", "off", "false", "no") else value
@@ -170,6 +186,15 @@ SETTINGS: tuple[Setting, ...] = (
             "one forward decode together (up to 16 rows a batched step; a request's tokens do not "
             "depend on what decodes beside it); with N = 1 nothing changes. off: vLLM-Omni "
             "refuses --max-num-seqs above 1 for SenseNova-U1, as without the plugin."),
+    Setting(FP8_VAR, "off", _parse_fp8, "fp8",
+            "FP8 (e4m3) weight copies on the hot paths, opt-in: off; on (every path below); or a "
+            "comma list of " + ", ".join(FP8_PATHS) + ". sensenova_decode: SenseNova-U1's "
+            "think/text decode step (fused step, one-request and batched) reads its 42 layers' "
+            "linear weights as e4m3 with a scale per output channel through vLLM's Marlin GEMM, "
+            "bf16 activations; it rounds differently from the bf16 step (docs/performance.md, "
+            "FP8 weights); the copies take half the bytes of the layers they cover (8.1 GB for SenseNova-U1-8B), the bf16 weights "
+            "stay for prefill and fallbacks. On vllm-omni 0.30 it makes the plugin's decode "
+            "serve in place of the in-tree one."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),
@@ -209,6 +234,7 @@ class Config:
     sensenova_step: str = "fused"
     sensenova_denoise: str = "graph"
     sensenova_batch: str = "auto"
+    fp8: frozenset = frozenset()
 
     @property
     def enabled(self) -> bool:

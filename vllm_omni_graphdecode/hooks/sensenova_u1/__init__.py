@@ -74,7 +74,9 @@ def support() -> dict[str, str]:
         "0.26": done,
         "0.28": done,
         "0.30": ("in-tree paged decode present: defer (default) leaves it in charge; "
-                 "takeover replaces its decode context with this plugin's (FA3 on Hopper)" + image),
+                 "takeover replaces its decode context with this plugin's (FA3 on Hopper); "
+                 "VLLM_OMNI_GRAPHDECODE_FP8 naming sensenova_decode makes the plugin's decode "
+                 "serve too (the in-tree step has no FP8 weights)" + image),
     }
 
 

@@ -89,15 +89,16 @@ class BatchStep:
         return out.logits.reshape(self.rows, -1)
 
 
-def _batch_fusion(lm, layout, device, dtype):
-    """The fused step's norms (and rope once per step on 0.24-0.28) with the modules' own GEMMs,
+def _batch_fusion(lm, layout, device, dtype, linears=None):
+    """The fused step's norms (and rope once per step on 0.24-0.28) with the modules' own GEMMs
+    or ``linears`` (the one-request step's FP8 copies, ``fp8.Fp8Linears``: Marlin at 16 rows),
     never the tuned GEMVs (a kernel configured by timing could round the same request
     differently in another process)."""
     if not layout.fused_step or torch.device(device).type != "cuda":
         return None
     from .fused_step import Fusion
 
-    fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=False)
+    fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=False, linears=linears)
     return fusion if fusion.active else None
 
 
@@ -105,7 +106,7 @@ class BatchWiring:
     """What ``wiring.install`` attaches when the engine batches SenseNova-U1's requests."""
 
     def __init__(self, pipeline, layout, cfg, rows: int, *, attention=None, graphs=None,
-                 writer=None, refusal=None, lora=None):
+                 writer=None, refusal=None, lora=None, linears=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -126,6 +127,7 @@ class BatchWiring:
         self.lock = threading.Lock()
         self._gate_reason: Reason | None = None
         self.dtype = next(self.lm.parameters()).dtype
+        self.linears = linears  # FP8 copies (fp8.Fp8Linears) or None: the modules' own GEMMs
 
     # -- the decoder --------------------------------------------------------------------------
 
@@ -140,7 +142,7 @@ class BatchWiring:
     def _decoder(self) -> BatchDecoder:
         if self.decoder is None:
             attn = layouts.attention_modules(self.lm)[0]
-            fusion = _batch_fusion(self.lm, self.layout, self.device, self.dtype)
+            fusion = _batch_fusion(self.lm, self.layout, self.device, self.dtype, self.linears)
             step = BatchStep(self.lm, self.layout, STEP_ROWS, fusion=fusion)
             cache = BatchKV(len(self.lm.model.layers), attn.num_kv_heads, attn.head_dim,
                             attn.num_heads, rows=STEP_ROWS, dtype=self.dtype, device=self.device,
@@ -196,7 +198,13 @@ class BatchWiring:
                 f"{self.attention.name}; "
                 f"{'CUDA graphs' if self.graphs else 'no graphs'}; {self.k} tokens a launch; "
                 f"paged K/V pool {pool:.2f} GiB = {self.rows} rows x {per} tokens, grows on "
-                f"demand)")
+                f"demand{self._linears_clause()})")
+
+    def _linears_clause(self) -> str:
+        if self.linears is None:
+            return ""
+        return (f"; FP8 weights for {len(self.linears)} linear layers "
+                f"({self.linears.nbytes / 1e9:.2f} GB beside the bf16 ones; vLLM Marlin)")
 
     def release(self) -> None:
         with self.lock:

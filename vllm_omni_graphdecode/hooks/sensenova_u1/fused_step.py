@@ -34,7 +34,7 @@ import importlib
 
 import torch
 
-from ... import gemv, layer_ops
+from ... import fp8, gemv, layer_ops
 from ...reasons import Reason
 from . import layouts, ops
 from .step import PAGED_KWARG
@@ -82,10 +82,11 @@ class Fusion:
 
     @classmethod
     def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16, *,
-               tuned_gemv: bool = False):
-        """The production parts this device and layout support. ``tuned_gemv``: the linear
-        layers through Inductor's GEMVs tuned by timing (``gemv.py``: faster, but another
-        process may round differently); otherwise the modules' own GEMMs."""
+               tuned_gemv: bool = False, linears=None):
+        """The production parts this device and layout support. ``linears``: the linear layers
+        through these (``fp8.Fp8Linears``, from ``fp8_linears``); else with ``tuned_gemv``
+        through Inductor's GEMVs tuned by timing (``gemv.py``: faster, but another process may
+        round differently); otherwise the modules' own GEMMs."""
         if not layout.fused_step:
             return cls(reasons=[f"{layout.name} layout runs the model's own step"])
         if torch.device(device).type != "cuda":
@@ -104,7 +105,9 @@ class Fusion:
             fusion.reasons.append(f"model's own norms: {ops.describe()}")
         else:
             fusion.layer_ops = ops
-        if tuned_gemv:
+        if linears is not None:
+            fusion.gemv = linears
+        elif tuned_gemv:
             found = gemv.select_gemv(device)
             if isinstance(found, Reason):
                 fusion.reasons.append(f"cuBLAS GEMVs: {found.describe()}")
@@ -118,7 +121,10 @@ class Fusion:
             parts.append("rope once per step")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
-        if self.gemv is not None:
+        if isinstance(self.gemv, fp8.Fp8Linears):
+            parts.append(f"FP8 weights for {len(self.gemv)} linear layers "
+                         f"({self.gemv.nbytes / 1e9:.2f} GB beside the bf16 ones; vLLM Marlin)")
+        elif self.gemv is not None:
             parts.append("Inductor GEMVs")
         return parts
 
@@ -142,6 +148,27 @@ class Fusion:
             step.rope = _rope_tables(attn, hidden_states, indexes)
         return _project_and_rope_once(attn, hidden_states, step.rope, self.rope_kernel,
                                       self.projection(attn.qkv_proj))
+
+
+def fp8_linears(language_model, device, model: str):
+    """``(fp8.Fp8Linears or None, why not / what stays bf16)``: e4m3 copies of every decoder
+    layer's qkv, o, gate-up and down projections (what a decode step reads), made now."""
+    why = fp8.available(device)
+    if why is not None:
+        return None, [why]
+    linears = fp8.Fp8Linears(model)
+    modules = {}
+    attns = layouts.attention_modules(language_model)
+    for i, (layer, attn) in enumerate(zip(language_model.model.layers, attns)):
+        for name, module in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj),
+                             ("down_proj", layer.mlp.down_proj)):
+            modules[f"layers.{i}.{name}"] = gemv.base_of_inactive_lora(module)
+    kept = linears.quantize(modules)
+    if not len(linears):
+        return None, [fp8.NO_FP8.because(f"no layer can take a copy ({', '.join(kept[:3])} ...)")]
+    more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+    return linears, ([fp8.LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else [])
 
 
 _ROPE_ATTRS = ("q_size", "kv_size", "num_heads", "num_kv_heads", "head_dim", "config",

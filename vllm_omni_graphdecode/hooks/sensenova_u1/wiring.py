@@ -36,6 +36,9 @@ from . import layouts, rules
 from .step import MODEL, Step, patch_attention, select_kv_writer
 
 STATE_ATTR = "_graphdecode_sensenova_u1"
+FP8_NEEDS_FUSED = Reason("FP8 weights need the fused step",
+                         "unset VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP (fused) or set it to tuned: "
+                         "exact runs the model's own modules, which read the bf16 weights")
 
 
 class Wiring:
@@ -150,9 +153,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     layout = layouts.detect_layout(lm, cls)
     if rows is None:
         rows = batch_mod.engine_rows(runner, cfg)
+    # FP8 weights exist only in this plugin's step: on 0.30 its decode then serves (takeover).
+    use_fp8 = "sensenova_decode" in cfg.fp8
     if rows > 1:
         check_signature(cls, "forward", batch_mod.FORWARD_PARAMS)
-    elif layout.in_tree and cfg.sensenova_intree == "defer":
+    elif layout.in_tree and cfg.sensenova_intree == "defer" and not use_fp8:
         image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None)
         head = (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
                 f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer)")
@@ -175,7 +180,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         kernel = kernels.select_kernel(device, attn.head_dim, cfg.fa_version)
     if graphs is None:
         graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
-    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step)
+    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step, use_fp8)
     if off and isinstance(kernel, kernels.Kernel):
         from .fused_step import UNFUSED
 
@@ -185,7 +190,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         wiring.batch = batch_mod.BatchWiring(pipeline, layout, cfg, rows,
                                              attention=batch_attention, graphs=graphs,
                                              writer=writer, refusal=wiring.batch_refusal,
-                                             lora=lambda: wiring.lora)
+                                             lora=lambda: wiring.lora,
+                                             linears=_fp8_of(fusion))
 
     # From here on nothing is checked any more: patch.
     patches = wiring.patches
@@ -222,7 +228,11 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     step_line = " + ".join(parts) or "the model's own"
     buckets = ",".join(map(str, cfg.buckets))
     tail = paged_decode.tail_step(cfg.buckets)
-    taken = "; in-tree decode context taken over" if layout.in_tree else ""
+    taken = ""
+    if layout.in_tree:
+        taken = ("; in-tree decode context taken over"
+                 + (" (FP8 weights run in this plugin's step only)"
+                    if use_fp8 and cfg.sensenova_intree == "defer" else ""))
     if wiring.batch is not None:
         return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode "
                 f"{wiring.batch.describe()}{taken}; {wiring.batch.precapture()}; {image}")
@@ -272,14 +282,25 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
     return clause
 
 
-def _step_parts(lm, layout, device, dtype, step: str = "fused"):
-    """(fusion or None, K/V writer or None, why each missing part is off)."""
+def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = False):
+    """(fusion or None, K/V writer or None, why each missing part is off). ``use_fp8``: the
+    linear layers read e4m3 copies (``fused_step.fp8_linears``), each reason it cannot (or a
+    layer cannot) counted as a degraded path."""
     off: list[str] = []
     fusion = None
+    if use_fp8 and not (layout.fused_step and step in ("fused", "tuned")):
+        stats.degraded(MODEL, FP8_NEEDS_FUSED.because(
+            f"{layout.name} layout, VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP={step}"))
     if layout.fused_step and step in ("fused", "tuned"):
-        from .fused_step import Fusion
+        from .fused_step import Fusion, fp8_linears
 
-        fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned")
+        linears = None
+        if use_fp8:
+            linears, why = fp8_linears(lm, device, MODEL)
+            for reason in why:
+                stats.degraded(MODEL, reason)
+        fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned",
+                               linears=linears)
         off += fusion.reasons
         fusion = fusion if fusion.active else None
     writer = select_kv_writer(device, dtype)
@@ -287,6 +308,14 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused"):
         off.append(f"two-kernel K/V write: {writer.describe()}")
         writer = None
     return fusion, writer, off
+
+
+def _fp8_of(fusion):
+    """The fused step's FP8 copies, shared with the batched step (made once), or None."""
+    from ...fp8 import Fp8Linears
+
+    linears = getattr(fusion, "gemv", None)
+    return linears if isinstance(linears, Fp8Linears) else None
 
 
 def _wrap_loop(wiring: Wiring, original, think: bool):
