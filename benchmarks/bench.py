@@ -10,10 +10,12 @@ bf16 matmul rate) are measured in the same run. Run it through scripts/gpu/run_s
 host (CONTRIBUTING.md).
 
 Cases (names as in the result rows):
-  sensenova_decode_ctxN[_fa2|_fa3|_fa3_kK|_fa3_exact|_intree]: ms/token of SenseNova-U1's text
+  sensenova_decode_ctxN[_fa2|_fa3|_fa3_kK|_fa3_exact|_intree|_fp8]: ms/token of SenseNova-U1's text
       loop (`_generate_text`, which is what a request runs: argmax and `.item()` every step) eager
       vs the plugin (paged + graph, FA3 and FA2 at the defaults; FA3 at each tokens-per-launch K
       and with the model's own step), or vs vllm-omni 0.30's in-tree path when that is the stack.
+      With --fp8, ``_fp8``: the step's linear layers on FP8 weight copies (issue #23), with its
+      bf16 row's time, the in-tree path's on 0.30, and greedy-token agreement with the bf16 step.
       Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`, one
       embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
   sensenova_sampled_ctxN_kK: the same text loop sampling (do_sample, temperature 0.7): eager vs
@@ -177,6 +179,8 @@ def bench_sensenova(args, rows, env):
                                     intree.get("ms"), floor, error=intree.get("error"),
                                     side="vllm-omni 0.30 in-tree paged decode (FA2), timed in a "
                                          "child process of this run (see _in_child)"))
+        texts, by_name = {}, {}
+        intree_ms = rows[-1].get("ours_ms") if is_030 and not args.no_intree else None
         for name, fa, env_over in _plugin_variants(args, ctx):
             cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                                 "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
@@ -201,8 +205,19 @@ def bench_sensenova(args, rows, env):
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
                                     tokens_per_launch=k, sensenova_step=cfg.sensenova_step,
-                                    counters=snap["counters"], fallbacks=snap["fallbacks"]))
+                                    counters=snap["counters"], fallbacks=snap["fallbacks"],
+                                    degraded=snap.get("degraded")))
+            by_name[name] = rows[-1]
+            if args.fp8 and name in _fp8_pair(args, ctx):
+                with torch.inference_mode():
+                    texts[name] = pipe._generate_text(prefix_logits, make_cache(), t_idx,
+                                                      max_tokens=args.agree_tokens)
             pipe.release_captured_graphs()
+            del pipe, wiring
+            torch.cuda.empty_cache()
+        if args.fp8:
+            _fp8_fields(args, ctx, by_name, texts, intree_ms)
+        _write(args, rows, env)  # a run cut short keeps every context it finished
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
     del lm
@@ -301,6 +316,35 @@ def _agree(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(*words)) if x != y), min(map(len, words)))
 
 
+def _fp8_pair(args, ctx) -> tuple[str, str]:
+    """The bf16 row (the first FA version at the defaults) and its FP8 counterpart."""
+    return f"sensenova_decode_ctx{ctx}_fa{args.fa[0]}", f"sensenova_decode_ctx{ctx}_fp8"
+
+
+def _fp8_fields(args, ctx, by_name, texts, intree_ms) -> None:
+    """The ``_fp8`` row's comparisons: against the bf16 step of the same run (time and greedy
+    tokens: how many of ``--agree-tokens`` lead alike, the bench tokenizer giving one word a
+    token) and, on 0.30, against the in-tree path timed in this run."""
+    bf16_name, fp8_name = _fp8_pair(args, ctx)
+    row, bf16 = by_name.get(fp8_name), by_name.get(bf16_name)
+    if row is None or bf16 is None:
+        return
+    ours, base = row.get("ours_ms"), bf16.get("ours_ms")
+    row["bf16_ms"] = base
+    row["speedup_vs_bf16"] = common.significant(base / ours) if ours and base else None
+    if intree_ms:
+        row["intree_ms"] = intree_ms
+        row["speedup_vs_intree"] = common.significant(intree_ms / ours) if ours else None
+    if fp8_name in texts and bf16_name in texts:
+        a, b = texts[fp8_name], texts[bf16_name]
+        row["agree_tokens"] = _agree(a, b)
+        row["agree_of"] = min(len(a.split()), len(b.split()))
+        row["agree_note"] = ("greedy tokens from the same prefix, FP8 step against the bf16 step; "
+                             "random weights (real checkpoints are not available here)")
+    log(f"ctx {ctx}: FP8 {ours} ms/token against bf16 {base} and in-tree {intree_ms}; "
+        f"agree {row.get('agree_tokens')} of {row.get('agree_of')}")
+
+
 def _plugin_variants(args, ctx):
     """(row name, FA version, settings) of every plugin side timed at ``ctx``: each FA version at
     the defaults; for the first, every ``--tokens-per-launch`` and the exact (model's own) step."""
@@ -310,8 +354,12 @@ def _plugin_variants(args, ctx):
         variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_k{k}", fa,
                       {"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
                      for k in args.tokens_per_launch]
-        variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_exact", fa,
-                         {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
+        if args.exact:
+            variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_exact", fa,
+                             {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
+        if args.fp8:
+            variants.append((f"sensenova_decode_ctx{ctx}_fp8", fa,
+                             {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}))
     return variants
 
 
@@ -693,6 +741,13 @@ def main():
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
     ap.add_argument("--tokens-per-launch", default="1,4,8,16",
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
+    ap.add_argument("--no-exact", dest="exact", action="store_false",
+                    help="skip the exact-step row of sensenova_decode")
+    ap.add_argument("--fp8", action="store_true",
+                    help="sensenova_decode: also the FP8 step (`_fp8` rows: against the bf16 "
+                         "step and, on 0.30, the in-tree path; greedy-token agreement)")
+    ap.add_argument("--agree-tokens", type=int, default=1024,
+                    help="greedy tokens compared between the FP8 and bf16 steps")
     ap.add_argument("--think-prompt", type=int, default=512, help="sensenova_think prompt tokens")
     ap.add_argument("--think-tokens", type=int, default=1024, help="sensenova_think tokens")
     ap.add_argument("--image-args", default=IMAGE_ARGS,

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU runs of issue #23 (FP8 decode) and #22's serving tests, one device call each, results
+# packed into $OUT/results-WHAT.tgz:
+#
+#   scripts/gpu/fp8_session.sh f1   # 0.26 stack (.gpu-bundle, .gpu-bundle-serve): the FP8 GPU
+#                                   # tests, the two-process test (bf16 and FP8), the decode
+#                                   # step bf16 against FP8 at context 2048 with token agreement
+#   scripts/gpu/fp8_session.sh f2   # (warm) tests/test_e2e_serve_gpu.py on 0.26
+#   scripts/gpu/fp8_session.sh f3   # .gpu-bundle-2 arrives: the engine end-to-end test on 0.26
+#   scripts/gpu/fp8_session.sh f4   # .gpu-bundle-3: the 0.30 stack; the decode step at 512,
+#                                   # 2048 and 8192: in-tree, bf16 and FP8
+#
+# Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
+set -uo pipefail
+what=${1:?usage: fp8_session.sh f1|f2|f3|f4}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$here"
+res=/tmp/res-$what
+mkdir -p "$res"
+export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
+nvidia-smi >"$res/nvidia-smi.txt" 2>&1
+suite() {  # suite LIMIT DIR TESTS [pytest args...]
+  local limit=$1 dir=$2 tests=$3; shift 3
+  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
+    >"$res/$dir.out" 2>&1
+  echo "$dir: exit $?" >>"$res/summary.txt"
+}
+bench() {  # bench LIMIT DIR PYTHONPATH [bench.py args...]
+  local limit=$1 dir=$2 pp=$3; shift 3
+  mkdir -p "$res/$dir"
+  PYTHONPATH=$pp timeout "$limit" python3 benchmarks/bench.py --out "$res/$dir" "$@" \
+    >"$res/$dir/stdout.json" 2>"$res/$dir/log"
+  echo "$dir: exit $?" >>"$res/summary.txt"
+}
+py26="$here:/tmp/site-project:/tmp/site"
+py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
+decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8)
+case "$what" in
+  f1)
+    suite 330 fp8-tests-0.26 "tests/test_sensenova_fp8_gpu.py tests/test_sensenova_batch_gpu.py" \
+      -q -rfE -s -k "fp8 or two_processes"
+    bench 230 decode-0.26 "$py26" "${decode[@]}" --contexts 2048
+    ;;
+  f2)
+    GRAPHDECODE_SERVE_OUT="$res/serve-0.26-out" suite 560 serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
+    ;;
+  f3)
+    for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
+    suite 400 e2e-engine-0.26 tests/test_e2e_engine_gpu.py -q -rfE
+    ;;
+  f4)
+    export STACK=0.30
+    for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
+    bench 540 decode-0.30 "$py30" "${decode[@]}" --contexts 2048,512,8192
+    ;;
+esac
+rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null
+tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
+cat "$res/summary.txt"
