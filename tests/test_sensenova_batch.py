@@ -491,6 +491,24 @@ def test_the_engine_still_refuses_when_the_plugin_will_not_batch_sensenova(
         _engine_mode(_od_config(checkpoint, 8))
 
 
+def test_on_a_release_that_loses_batched_outputs_the_engine_still_refuses_with_the_reason(
+        checkpoint, pipeline_class, monkeypatch):
+    """vllm-omni 0.26's executor can lose a request batch's outputs (``batch.py``,
+    ``ENGINE_LOSES_BATCHES``): there the plugin declares nothing and says why; 0.28 and 0.30 are
+    safe."""
+    from vllm_omni_graphdecode import patching
+
+    assert batch_mod.engine_loses_batches("0.28.0") is None
+    assert batch_mod.engine_loses_batches("0.30.0") is None
+    monkeypatch.setattr(patching, "omni_version", lambda: "0.26.0")
+    loading.install_model_hooks(config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}))
+    assert pipeline_class.supports_request_batch is False
+    with pytest.raises(ValueError, match="does not support request-level batching"):
+        _engine_mode(_od_config(checkpoint, 8))
+    assert stats.get(MODEL, "batch_declared") == 0
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {batch_mod.ENGINE_LOSES_BATCHES.key}": 1}
+
+
 def test_a_declared_pipeline_the_plugin_did_not_wire_answers_a_batch_one_by_one(
         checkpoint, pipeline_class):
     assert "declared" in batch_mod.declare(pipeline_class)

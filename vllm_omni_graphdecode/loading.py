@@ -22,7 +22,7 @@ import threading
 from . import config, stats
 from .hooks import load as load_hook
 from .models import MODELS
-from .patching import HookRefused, check_signature
+from .patching import HookRefused, check_signature, omni_version
 from .reasons import Reason
 
 RUNNER_MODULE = "vllm_omni.diffusion.worker.diffusion_model_runner"
@@ -42,11 +42,6 @@ _lock = threading.Lock()
 _patched_classes: set[type] = set()
 
 
-def omni_version() -> str | None:
-    try:
-        return importlib.metadata.version("vllm-omni")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def check_omni_version(version: str | None) -> str | None:

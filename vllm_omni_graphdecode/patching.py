@@ -16,10 +16,19 @@ Lives below both ``loading`` and ``hooks``: a hook imports this, never the loade
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 from typing import Callable, Iterable
 
 from .reasons import Reason
+
+
+def omni_version() -> str | None:
+    """The installed vllm-omni's version, or None."""
+    try:
+        return importlib.metadata.version("vllm-omni")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 SIGNATURE_MOVED = Reason("an upstream method this plugin patches moved",
                          "use a supported vllm-omni / diffusers version (python -m "

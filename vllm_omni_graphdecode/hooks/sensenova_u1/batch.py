@@ -33,7 +33,7 @@ import threading
 
 import torch
 
-from ... import stats, turns
+from ... import patching, stats, turns
 from ...batch_decode import BatchDecoder, RowSampling, choose
 from ...batch_kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
 from ...patching import HookRefused, check_signature
@@ -52,6 +52,29 @@ BATCH_ATTR = "supports_request_batch"
 
 NOT_WIRED = Reason("batched decode not wired on this pipeline",
                    "see the load line (python -m vllm_omni_graphdecode stats)")
+# vllm-omni before 0.28: the diffusion executor's execute_batch registers how to split a batch's
+# output only after the worker's reply, and the worker's background thread can publish the output
+# first (a text batch is packed at once); the output is then cached under the batch's id and its
+# requests wait out the engine's 30 s timeout and fail (seen over HTTP on 0.26 at
+# --max-num-seqs 8). 0.28 and 0.30 adopt such an early output (multiproc_executor.execute_batch).
+BATCHING_SAFE_FROM = (0, 28)
+ENGINE_LOSES_BATCHES = Reason(
+    "request batching not declared: this vllm-omni loses batched outputs",
+    "upgrade vllm-omni to 0.28 or newer to serve SenseNova-U1 with --max-num-seqs above 1; on "
+    "this release the server refuses it, as without the plugin, and requests run one at a time")
+
+
+def engine_loses_batches(version: str | None) -> Reason | None:
+    """Why the installed vllm-omni's engine must not be handed request batches, or None."""
+    if version is None:
+        return None
+    try:
+        release = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return None
+    if release < BATCHING_SAFE_FROM:
+        return ENGINE_LOSES_BATCHES.because(f"vllm-omni {version}")
+    return None
 
 
 class BatchStep:
@@ -452,6 +475,10 @@ FORWARD_PARAMS = ("self", "req")
 def declare(cls) -> str:
     """Declare request batching on the pipeline class and give it a serial batch ``forward``
     (module docstring). Returns what was done, for the log. Idempotent."""
+    unsafe = engine_loses_batches(patching.omni_version())
+    if unsafe is not None:
+        stats.refused(MODEL, unsafe)
+        return unsafe.describe()
     if getattr(cls.forward, "__graphdecode__", False):
         setattr(cls, BATCH_ATTR, True)
         return "already declared"
