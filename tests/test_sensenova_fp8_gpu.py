@@ -6,8 +6,8 @@ The claims, each a test below:
   shapes and the real ones, and a row's result inside a 16-row call does not depend on the other
   rows (what the batched step's invariance needs);
 * a copy whose weight was written since is made again;
-* the FP8 fused step follows the bf16 fused step within a stated bound (below), fed the same
-  tokens;
+* the FP8 fused step equals the bf16 fused step on the dequantised weights within the fused
+  step's bound (what e4m3 rounding does to the model is measured apart and printed);
 * graph replay equals the same FP8 step run eagerly, token for token;
 * in the batched path with FP8 a request answers as it does alone, bit for bit;
 * a layer with an active LoRA adapter runs its own bf16 kernel, counted; base -> LoRA -> base with
@@ -34,10 +34,6 @@ from test_sensenova_gpu import (MODEL, _build_lm, _cfg, _fused_layout, _pipe,  #
 pytestmark = pytest.mark.gpu
 
 FP8 = {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}
-# Of the largest logit, FP8 step against the bf16 fused step: the probe measured a layer's output
-# 2.66% off with e4m3 weights (benchmarks/results/h200-2026-12-01f/fp8-probe-0.26); through four
-# decoder layers the errors add roughly in quadrature (~5.3%), twice that is the bound.
-FP8_BOUND = 0.11
 REAL = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 
 
@@ -55,21 +51,26 @@ def _relative(got, want):
 def test_gpu_fp8_copy_computes_its_dequantised_weight_and_rows_do_not_mix(gpu):
     torch.manual_seed(0)
     layer = gpu.lm.model.layers[0]
-    weights = [m.weight for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    weights += [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n, k in REAL]
+    cases = [(m.weight, m.bias) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert any(b is not None for _, b in cases), "no layer with a bias: that path goes untested"
+    cases += [(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02, None)
+              for n, k in REAL]
     with torch.inference_mode():
-        for w in weights:
-            copy = fp8.Fp8Weight(w)
+        for w, bias in cases:
+            copy = fp8.Fp8Weight(w, bias)
             x = torch.randn(16, w.shape[1], device="cuda", dtype=torch.bfloat16)
             w8, scale = fp8.quantize_rows(w)
             want = x.float() @ fp8.dequantize(w8, scale).T
+            exact = x.float() @ w.float().T
+            if bias is not None:
+                want, exact = want + bias.float(), exact + bias.float()
             # Marlin keeps the scales in bf16 (2^-8 relative) and sums in its own order.
             assert _relative(copy(x), want) < 1e-2, tuple(w.shape)
+            assert _relative(copy(x), exact) < 0.06, tuple(w.shape)
             other = x.clone()
             other[1:] = torch.randn_like(other[1:])
             assert torch.equal(copy(x)[0], copy(other)[0]), tuple(w.shape)
-            assert _relative(copy(x), x.float() @ w.float().T) < 0.06, tuple(w.shape)
 
 
 def test_gpu_fp8_copy_is_made_again_after_its_weight_is_written(gpu):
@@ -85,38 +86,58 @@ def test_gpu_fp8_copy_is_made_again_after_its_weight_is_written(gpu):
     assert _relative(after, 2.0 * before.float()) < 1e-2
 
 
-def test_gpu_fp8_step_follows_the_bf16_step_within_its_bound(gpu):
-    """Both fused, paged on the same kernel without graphs, fed the bf16 step's tokens for 200
-    steps across two buckets; the largest difference is printed (the bound's measurement)."""
+def test_gpu_fp8_step_equals_the_bf16_step_on_the_dequantised_weights_within_its_bound(gpu):
+    """What the FP8 step computes, checked apart from what e4m3 rounding does to the model: the
+    FP8 fused step (Marlin) against the bf16 fused step on the same model whose weights were
+    replaced by their dequantised e4m3 values, fed the same tokens for 200 steps across two
+    buckets (paged, same attention kernel, no graphs). They differ by kernel rounding only
+    (Marlin's bf16 scales, its sum order), so the fused step's own bound holds (3% of the
+    largest logit, ``test_gpu_fused_step_matches_the_models_own_step``). Against the bf16 step
+    on the original weights the difference is e4m3's, printed: up to 28% of the largest logit
+    here (random N(0, 0.02) weights at hidden 256; the same model on the CPU in fp32 with its
+    weights dequantised moved by 15-22%: the rounding, not the kernel)."""
     layout = _fused_layout(gpu)
-    linears, why = fused_step.fp8_linears(gpu.lm, "cuda", MODEL)
+    lm = _build_lm(gpu.tok)
+    linears, why = fused_step.fp8_linears(lm, "cuda", MODEL)
     assert linears is not None and why == [], why
-    assert len(linears) == 4 * len(gpu.lm.model.layers)
-    with_fp8 = hook.Fusion.select(gpu.lm, layout, "cuda", linears=linears)
+    assert len(linears) == 4 * len(lm.model.layers)
+    with_fp8 = hook.Fusion.select(lm, layout, "cuda", linears=linears)
     assert any(p.startswith("FP8 weights for 16 linear layers") for p in with_fp8.describe())
-    bf16 = hook.Fusion.select(gpu.lm, layout, "cuda")
-    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
-    out, cache_a, t_idx = st.prefill(pipe, gpu.ids)
-    _, cache_b, _ = st.prefill(pipe, gpu.ids)
-    decoders = [hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256),
-                                   graphs=False, fusion=f) for f in (with_fp8, bf16)]
-    decoders[0].begin(cache_a)
-    decoders[1].begin(cache_b)
-    token = out.logits[:, -1].argmax(-1)
-    worst, same = 0.0, 0
-    with torch.inference_mode():
-        for step in range(200):
-            a = decoders[0].step(token, t_idx + 1 + step).float()
-            b = decoders[1].step(token, t_idx + 1 + step).float()
-            worst = max(worst, _relative(a, b))
-            same += int(a[:, -1].argmax(-1) == b[:, -1].argmax(-1))
-            token = b[:, -1].argmax(-1)
-    for d in decoders:
-        d.release()
-    print(f"FP8 step against bf16: worst {worst:.4f} of the largest logit; "
-          f"{same} of 200 greedy tokens equal")
-    assert worst < FP8_BOUND
-    assert worst > 0, "the FP8 step computed the bf16 step: the copies were not used"
+    bf16 = hook.Fusion.select(lm, layout, "cuda")
+    pipe = st.build_pipeline(lm, gpu.tok, device="cuda")
+
+    def decode(fusion, feed=None, prefilled=None):
+        out, cache, t_idx = prefilled or st.prefill(pipe, gpu.ids)
+        decoder = hook.paged_decoder(lm, kernel=gpu.kernel, buckets=(64, 128, 256),
+                                     graphs=False, fusion=fusion)
+        decoder.begin(cache)
+        token = out.logits[:, -1].argmax(-1)
+        logits, fed = [], []
+        with torch.inference_mode():
+            for step in range(200):
+                token = token if feed is None else feed[step]
+                fed.append(token)
+                logits.append(decoder.step(token, t_idx + 1 + step).float())
+                token = logits[-1][:, -1].argmax(-1)
+        decoder.release()
+        return logits, fed
+
+    got, fed = decode(with_fp8)
+    original, _ = decode(bf16, fed)
+    prefilled = st.prefill(pipe, gpu.ids)  # the prompt's K/V from the original weights, as FP8's
+    modules = [m for layer in lm.model.layers
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    with torch.no_grad():
+        for m in modules:
+            m.weight.copy_(fp8.dequantize(*fp8.quantize_rows(m.weight)).to(m.weight.dtype))
+    want, _ = decode(bf16, fed, prefilled)
+    kernel = max(_relative(a, b) for a, b in zip(got, want))
+    rounding = max(_relative(a, b) for a, b in zip(got, original))
+    print(f"FP8 step: {kernel:.4f} of the largest logit from the bf16 step on dequantised "
+          f"weights, {rounding:.4f} from the bf16 step on the original weights")
+    assert kernel < 3e-2
+    assert rounding > kernel, "the FP8 step computed the original weights: copies not used"
 
 
 def test_gpu_fp8_graph_replay_equals_the_fp8_eager_step_token_for_token(gpu):
