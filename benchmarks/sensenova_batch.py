@@ -200,8 +200,10 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
     lm = pipe.language_model
     ctx, tokens = args.context, args.step_tokens
     kernel = kernels.select_kernel("cuda", lm.model.layers[0].self_attn.head_dim, "3")
+    wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
     single = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=(ctx, 2 * ctx),
-                                        tokens_per_launch=8)
+                                        tokens_per_launch=8,
+                                        fusion=wiring.fusion if args.fp8 else "auto")
     prefix_logits, make_cache = rm.random_prefix(lm, ctx - 1, seed=ctx)
 
     def one_row():
@@ -220,7 +222,7 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
     batch1 = (time.perf_counter() - start) * 1e3 / tokens
     single.release()
     log(f"step: batch-1 path {batch1:.3f} ms/token at context {ctx}")
-    decoder = getattr(pipe, sensenova_u1.STATE_ATTR).batch._decoder()
+    decoder = wiring.batch._decoder()
 
     def together(n):
         def member(i):
@@ -248,8 +250,9 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
         ms = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
         rows_out.append(common.case(
-            f"sensenova_batch_decode_step_b{n}", batch1, ms, None,
-            eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch), ms/token",
+            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 else ""), batch1, ms, None,
+            eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch"
+                       + (", FP8 weights" if args.fp8 else "") + "), ms/token",
             ours_side=f"the batched path, {n} rows decoding ({decoder.cache.rows} in the step), "
                       f"ms per step", context=ctx, rows=decoder.cache.rows,
             ours_over_eager=ms / batch1, ms_per_token=ms / n))
@@ -287,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cfg", type=float, default=4.0)
     ap.add_argument("--context", type=int, default=2048, help="step case")
     ap.add_argument("--step-tokens", type=int, default=256, help="step case: tokens timed")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the plugin's decode on FP8 weight copies (VLLM_OMNI_GRAPHDECODE_FP8="
+                         "sensenova_decode): case names end in _fp8")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -369,7 +375,8 @@ def main(argv=None) -> int:
     # The plugin, for a server started with --max-num-seqs ROWS.
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
-                            "off" if args.lm_only else "graph"})
+                            "off" if args.lm_only else "graph",
+                        "VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode" if args.fp8 else "off"})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
         od_config=SimpleNamespace(max_num_seqs=rows)))

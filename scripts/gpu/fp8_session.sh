@@ -6,9 +6,14 @@
 #                                   # tests, the two-process test (bf16 and FP8), the decode
 #                                   # step bf16 against FP8 at context 2048 with token agreement
 #   scripts/gpu/fp8_session.sh f2   # (warm) tests/test_e2e_serve_gpu.py on 0.26
-#   scripts/gpu/fp8_session.sh f3   # .gpu-bundle-2 arrives: the engine end-to-end test on 0.26
+#   scripts/gpu/fp8_session.sh f3   # .gpu-bundle-2 arrives (unpacked; no run: the session's
+#                                   # device time went to f2 and f4)
 #   scripts/gpu/fp8_session.sh f4   # .gpu-bundle-3: the 0.30 stack; the decode step at 512,
 #                                   # 2048 and 8192: in-tree, bf16 and FP8
+#   scripts/gpu/fp8_session.sh f6   # a fresh machine, 0.26 (.gpu-bundle, .gpu-bundle-serve):
+#                                   # the two FP8 tests changed after f1, the serving test again
+#                                   # (0.26 now refuses --max-num-seqs 8 with the plugin on too),
+#                                   # the batched decode step bf16 and FP8
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
@@ -42,16 +47,25 @@ case "$what" in
     bench 230 decode-0.26 "$py26" "${decode[@]}" --contexts 2048
     ;;
   f2)
-    GRAPHDECODE_SERVE_OUT="$res/serve-0.26-out" suite 560 serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
+    GRAPHDECODE_SERVE_OUT="$res/serve-0.26-out" suite 450 serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
     ;;
   f3)
     for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
-    suite 400 e2e-engine-0.26 tests/test_e2e_engine_gpu.py -q -rfE
     ;;
   f4)
     export STACK=0.30
     for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
     bench 540 decode-0.30 "$py30" "${decode[@]}" --contexts 2048,512,8192
+    ;;
+  f6)
+    suite 150 fp8-tests-0.26 tests/test_sensenova_fp8_gpu.py -q -rfE -s -k "dequantised or rows_do_not_mix"
+    GRAPHDECODE_SERVE_OUT="$res/serve-0.26-out" suite 240 serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
+    for side in bf16 fp8; do
+      mkdir -p "$res/step-$side-0.26"
+      PYTHONPATH=$py26 timeout 150 python3 benchmarks/sensenova_batch.py --out "$res/step-$side-0.26" \
+        --cases step --lm-only $([ $side = fp8 ] && echo --fp8) >"$res/step-$side-0.26/log" 2>&1
+      echo "step-$side-0.26: exit $?" >>"$res/summary.txt"
+    done
     ;;
 esac
 rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null
