@@ -181,7 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
             "1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, 1024x1024), ~0.75 GB more "
             "peak memory."),
     Setting(SENSENOVA_BATCH_VAR, "auto", _choice("auto", "off"), "sensenova_batch",
-            "SenseNova-U1 under load: auto declares request batching, so `vllm serve ... --omni "
+            "SenseNova-U1 under load: auto declares request batching (vllm-omni 0.28 and newer: "
+            "0.24 and 0.26 can lose a batch's outputs), so `vllm serve ... --omni "
             "--max-num-seqs N` starts, and the think/text loops of the requests the engine hands "
             "one forward decode together (up to 16 rows a batched step; a request's tokens do not "
             "depend on what decodes beside it); with N = 1 nothing changes. off: vLLM-Omni "
