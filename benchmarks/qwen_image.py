@@ -474,7 +474,9 @@ def case_name(*, height: int, width: int, steps: int, cfg: float, size: str,
     name = f"qwen_image_21_image_t2i_{res}_{steps}steps"
     if cfg != 1:
         name += f"_cfg{cfg:g}".replace(".", "p")
-    if mode != "fast":
+    if mode == "fast_fp8":
+        name += "_fp8"
+    elif mode != "fast":
         name += f"_{mode}"
     return name if size == "real" else f"{name}_{size}"
 
@@ -507,7 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None, help="default cuda when available, else cpu")
     ap.add_argument("--modes", default="fast,exact",
-                    help="the plugin's Qwen-Image-2.1 modes to time, each against eager")
+                    help="the plugin's Qwen-Image-2.1 modes to time, each against eager; "
+                         "fast_fp8: the fast mode with W8A8 GEMMs (case names end in _fp8)")
     ap.add_argument("--enable-kwargs", default="{}",
                     help='JSON keywords for qwen_image_21.enable, e.g. \'{"verify": true}\'')
     args = ap.parse_args(argv)
@@ -551,10 +554,11 @@ def main(argv=None) -> int:
                          mode=mode)
         t0 = time.perf_counter()
         try:
+            fp8 = mode == "fast_fp8"
             r = run_case(pipe, enable=qwen_image_21.enable, cfg=cfg, steps=args.steps,
                          height=height, width=width, seed=args.seed,
                          warmup_steps=min(args.warmup_steps, args.steps),
-                         **dict(enable_kwargs, mode=mode))
+                         **dict(enable_kwargs, mode="fast" if fp8 else mode, fp8=fp8))
             row = common.case(name, r.pop("eager_ms"), r.pop("ours_ms"), None, **r)
         except Exception as exc:  # keep the other case's result
             import traceback

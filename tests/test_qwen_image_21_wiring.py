@@ -138,6 +138,29 @@ def test_what_wiring_built_before_the_first_step_survives_it(model):
     assert stats.get(MODEL, "static_step") == 2
 
 
+def test_fp8_wires_the_fast_step_with_its_copies_and_is_counted_in_exact_mode(model):
+    """``VLLM_OMNI_GRAPHDECODE_FP8`` naming qwen_image_21: the fast step's name says FP8 and its
+    output moves from diffusers' (W8A8 rounding); with the exact mode it is counted as not run."""
+    config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE_QWEN_MODE": "fast",
+                                         "VLLM_OMNI_GRAPHDECODE_FP8": "qwen_image_21"}))
+    kwargs = request(model)
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, compile=False)
+    fast = wiring._fast_for(torch.device("cpu"), torch.ones(1, dtype=torch.bool))
+    assert fast.name.endswith(":fp8") and fast.blocks.fp8
+    step = at_step(kwargs, 1)
+    got, want = cached_call(model, step, cache), cached_reference(model, step, cache)
+    assert not torch.equal(got, want)
+    assert stats.get(MODEL, "static_step") == 1 and fallback_reasons() == set()
+    wiring.unwire()
+    stats.reset()
+    config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE_QWEN_MODE": "exact",
+                                         "VLLM_OMNI_GRAPHDECODE_FP8": "on"}))
+    qwen.enable(model, capture=False)
+    assert stats.degraded_paths(MODEL) == {
+        f"{MODEL}: FP8 weights need the fast cached step": 1}
+
+
 # -- arguments this hook does not know ----------------------------------------------------------
 
 def test_a_keyword_a_newer_diffusers_adds_runs_the_original_forward_with_its_reason(model):

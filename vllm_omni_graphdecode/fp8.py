@@ -1,4 +1,8 @@
-"""FP8 (e4m3) copies of a decode step's linear weights, read by vLLM's Marlin GEMM (no model).
+"""FP8 (e4m3) copies of a hot path's linear weights (no model): weight-only through vLLM's Marlin
+GEMM for decode steps of 1-16 rows, and W8A8 (``w8a8_linear``) for the many-row GEMMs of a
+denoising step.
+
+Decode (``Fp8Weight``, ``Fp8Linears``).
 
 Why: a decode step at 1-16 rows is bound by the bytes of its weights. On the H200 the 42 layers
 of SenseNova-U1's decode GEMVs read 16.2 GB in bf16 and take 4.59 ms as one graph; with e4m3
@@ -146,6 +150,52 @@ def _version(t: torch.Tensor | None):
     except RuntimeError:  # an inference-mode tensor keeps no version counter: storage only
         version = None
     return t.data_ptr(), version
+
+
+def w8a8_available(device) -> Reason | None:
+    """Why W8A8 GEMMs (``torch._scaled_mm`` with row-wise scales) cannot run on ``device``, or
+    None. CUDA needs FP8 tensor cores (compute capability 8.9: Ada, Hopper); torch's CPU kernel
+    serves the tests."""
+    device = torch.device(device)
+    if FP8_DTYPE is None:
+        return NO_FP8.because(f"torch {torch.__version__} has no float8_e4m3fn")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return NO_FP8.because(f"compute capability {major}.{minor} has no FP8 tensor cores")
+    elif device.type != "cpu":
+        return NO_FP8.because(f"device is {device}")
+    return None
+
+
+def w8a8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w8, scale)`` for ``w8a8_linear``: ``quantize_rows`` with the scale as a ``(1, N)`` row."""
+    w8, scale = quantize_rows(weight.detach())
+    return w8, scale.view(1, -1)
+
+
+def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (w8 * scale).T`` with ``x`` quantised to e4m3 on the fly, one scale per row (its
+    ``amax / 448``): the dynamic per-token W8A8 of vLLM's ``--quantization fp8``, through
+    ``torch._scaled_mm`` (row-wise scales, bf16 out). Written in plain torch ops so that inside
+    an Inductor region the quantisation fuses into the kernel that produces ``x``; a row of zeros
+    keeps scale 1."""
+    x2 = x.reshape(-1, x.shape[-1])
+    amax = x2.abs().amax(dim=-1, keepdim=True).float()
+    sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    x8 = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], w8.shape[0])
+
+
+def w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What ``w8a8_linear`` computes, in fp32 from the same e4m3 values (tests)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    amax = x2.abs().amax(dim=-1, keepdim=True)
+    sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    xq = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * sx
+    out = xq @ (w8.float() * scale.view(-1, 1)).T
+    return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
 
 
 class Fp8Linears:

@@ -14,6 +14,9 @@
 #                                   # the two FP8 tests changed after f1, the serving test again
 #                                   # (0.26 now refuses --max-num-seqs 8 with the plugin on too),
 #                                   # the batched decode step bf16 and FP8
+#   scripts/gpu/fp8_session.sh f7   # a fresh machine, 0.26 (.gpu-bundle): the FP8 GPU tests of
+#                                   # both models, then Qwen-Image-2.1's 1024x1024 image with the
+#                                   # fast step bf16 and W8A8 against diffusers
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
@@ -66,6 +69,14 @@ case "$what" in
         --cases step --lm-only $([ $side = fp8 ] && echo --fp8) >"$res/step-$side-0.26/log" 2>&1
       echo "step-$side-0.26: exit $?" >>"$res/summary.txt"
     done
+    ;;
+  f7)
+    suite 150 fp8-tests-0.26 "tests/test_sensenova_fp8_gpu.py tests/test_qwen_image_21_fast_step.py" \
+      -q -rfE -s -k "dequantised or fp8"
+    mkdir -p "$res/qwen-image-0.26"
+    PYTHONPATH=$py26 timeout 240 python3 benchmarks/qwen_image.py --out "$res/qwen-image-0.26" \
+      --modes fast,fast_fp8 --cfg 1 >"$res/qwen-image-0.26/stdout.jsonl" 2>"$res/qwen-image-0.26/log"
+    echo "qwen-image-0.26: exit $?" >>"$res/summary.txt"
     ;;
 esac
 rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null

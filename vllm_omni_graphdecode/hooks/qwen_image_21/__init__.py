@@ -126,12 +126,13 @@ def _prepare(target, *extra_owners) -> Any:
 
 def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int | None = None,
            capture: bool = True, mode: str | None = None, attention: str = "auto",
-           compile: bool = True) -> CachedStepGraphs:
+           compile: bool = True, fp8: bool | None = None) -> CachedStepGraphs:
     """Wire cached-step graphs onto a diffusers Qwen-Image-2.1 pipeline or transformer.
 
     ``verify``, ``max_entries`` and ``mode`` ("fast" or "exact") default to
     ``VLLM_OMNI_GRAPHDECODE_VERIFY`` / ``_MAX_ENTRIES`` / ``_QWEN_MODE``. ``attention`` ("auto",
-    "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``kernels``, ``fast_step``).
+    "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``kernels``, ``fast_step``);
+    ``fp8`` (default: ``VLLM_OMNI_GRAPHDECODE_FP8`` names ``qwen_image_21``) its W8A8 GEMMs.
     ``capture=False`` runs the same static-buffer step eagerly (any device). Returns the wiring
     (``unwire`` undoes it); enabling an already wired transformer returns the existing one.
     Raises HookRefused when this diffusers version moved what the hook reads, and ValueError when no
@@ -150,7 +151,8 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
     return CachedStepGraphs(transformer, verify=cfg.verify if verify is None else verify,
                             max_entries=cfg.max_entries if max_entries is None else max_entries,
                             capture=capture, mode=cfg.qwen_mode if mode is None else mode,
-                            attention=attention, compile=compile)
+                            attention=attention, compile=compile,
+                            fp8=MODEL in cfg.fp8 if fp8 is None else fp8)
 
 
 def unwire(target) -> bool:
@@ -177,13 +179,15 @@ def wire(target, cfg: config.Config, runner) -> str:
         raise HookRefused(unreachable)
     # Checked: patch from here on.
     wiring = CachedStepGraphs(transformer, verify=cfg.verify, max_entries=cfg.max_entries,
-                              mode=cfg.qwen_mode)
+                              mode=cfg.qwen_mode, fp8=MODEL in cfg.fp8)
     release = "no runner: release graphs yourself before sleeping"
     if runner is not None:
         wiring.attach_release(runner)  # sleep level 2 discards the memory graphs were recorded on
         release = "sleep level 2 releases them"
     line = (f"cached steps of {type(transformer).__name__} ({len(transformer.transformer_blocks)} "
-            f"layers) replay CUDA graphs, {cfg.qwen_mode} mode; max_entries={cfg.max_entries}, "
+            f"layers) replay CUDA graphs, {cfg.qwen_mode} mode"
+            f"{' with FP8 (W8A8) GEMMs' if MODEL in cfg.fp8 and cfg.qwen_mode == 'fast' else ''}"
+            f"; max_entries={cfg.max_entries}, "
             f"verify={'on' if cfg.verify else 'off'}; {release}")
     if cfg.qwen_mode == "fast" and cfg.precapture:
         line += f"; {wiring.precompile()}"

@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from ... import eligibility, kernels, patching, stats
+from ...fp8 import w8a8_available
 from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
 from ...reasons import ARGUMENTS, FAST_NOT_HERE, Reason
 from . import fast_step, names
@@ -44,11 +45,16 @@ FAST_PARTIAL = Reason("fast cached step without one of its parts",
                       "diffusers' own rounding")
 
 
+FP8_NEEDS_FAST = Reason("FP8 weights need the fast cached step",
+                       "unset VLLM_OMNI_GRAPHDECODE_QWEN_MODE (fast): exact replays diffusers' "
+                       "own blocks, which read the bf16 weights")
+
+
 class _Fast:
     """What the fast mode runs on one device: the attention kernel, whether Inductor compiles
     the block regions, the blocks. Built at the first bind."""
 
-    def __init__(self, transformer, device, *, attention: str, compile: bool):
+    def __init__(self, transformer, device, *, attention: str, compile: bool, fp8: bool = False):
         dtype = transformer.img_in.weight.dtype
         head_dim = transformer.transformer_blocks[0].attn.inner_dim // \
             transformer.transformer_blocks[0].attn.heads
@@ -66,11 +72,17 @@ class _Fast:
                 stats.degraded(MODEL, FAST_PARTIAL.because(f"no compile: {why.describe()}"))
                 compile = False
         self.compile = compile
-        self.blocks = fast_step.FastBlocks(transformer, found, compile=compile)
+        if fp8:
+            why = w8a8_available(device)
+            if why is not None:
+                stats.degraded(MODEL, why)
+                fp8 = False
+        self.blocks = fast_step.FastBlocks(transformer, found, compile=compile, fp8=fp8)
 
     @property
     def name(self) -> str:
-        return f"fast:{self.attention.name}:{'compiled' if self.compile else 'eager'}"
+        return (f"fast:{self.attention.name}:{'compiled' if self.compile else 'eager'}"
+                + (":fp8" if self.blocks.fp8 else ""))
 
 
 class CachedStepGraphs:
@@ -83,14 +95,17 @@ class CachedStepGraphs:
     """
 
     def __init__(self, transformer, *, max_entries: int, verify: bool, capture: bool = True,
-                 mode: str = "exact", attention: str = "auto", compile: bool = True):
+                 mode: str = "exact", attention: str = "auto", compile: bool = True,
+                 fp8: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
         self.d = names.resolve()
         self.transformer = transformer
         self.original = transformer.forward
         self.mode = mode
-        self._fast_options = {"attention": attention, "compile": compile}
+        self._fast_options = {"attention": attention, "compile": compile, "fp8": fp8}
+        if fp8 and mode != "fast":  # FP8 weights exist only in the fast body
+            stats.degraded(MODEL, FP8_NEEDS_FAST.because(f"mode {mode}"))
         self._fast: _Fast | Reason | None = None  # built at the first fast bind
         self.graphs = PrefixGraphs(MODEL, self._step, max_entries=max_entries, verify=verify,
                                    capture=capture)

@@ -37,10 +37,16 @@ per tensor per layer at 1024x1024 bf16 (2 GiB for 32 layers) over prefix-only bu
 ``fuse_qkv=True`` copies 3 x hidden^2 weights per layer (3 GiB at the real shape), once at
 construction: rebuild ``FastBlocks`` after the weights change.
 
+FP8 (``fp8=True``, ``VLLM_OMNI_GRAPHDECODE_FP8`` naming ``qwen_image_21``): the seven linear
+layers of every block run W8A8 (``fp8.w8a8_linear``: e4m3 weights with a scale per output channel,
+made here once, and each activation row quantised on the fly), so the rounding moves further from
+diffusers' (the PSNR is in docs/performance.md). The e4m3 copies add half the bf16 bytes of those
+layers (~7 GB at the real shape); the bf16 weights stay for the extract step and the exact mode.
+
 Preconditions (the caller checks them at bind): the step's rows are the target image only, with an
 all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
 ``modulation[:-1]``); no padded text mask; ``structure_problem`` is None. Not covered: padded text
-(key_valid), FA4, FP8. Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
+(key_valid), FA4, FP8 attention. Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
 option) sets per process; past it a call raises ``CompileFailed`` and the exact step runs.
 """
 
@@ -59,6 +65,7 @@ from ...compiling import (  # noqa: F401 - the names callers read from here
     compile_supported,
     dense_strides as _dense_strides,
 )
+from ...fp8 import w8a8_linear, w8a8_weight
 from ...reasons import STRUCTURE, Reason
 
 Tensor = torch.Tensor
@@ -113,6 +120,12 @@ def _rope(x: Tensor, rotary: Tensor, real: bool) -> Tensor:
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(3).type_as(x)
 
 
+def _linear(x: Tensor, w) -> Tensor:
+    """``F.linear(x, w)`` for a bf16 weight; for an FP8 one (``(w8, scale)``, ``FastBlocks(fp8=
+    True)``) the W8A8 GEMM, whose per-row quantisation of ``x`` Inductor fuses into the region."""
+    return F.linear(x, w) if torch.is_tensor(w) else w8a8_linear(x, *w)
+
+
 def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_eps: float,
                    k_eps: float, head_dim: int, real_rope: bool):
     """norm1 + modulate, q/k/v, q/k RMSNorm, rotary. x ``(B, T, dim)``; modulation ``(B + 1,
@@ -120,7 +133,7 @@ def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_
     qkv ``(w_q, w_k, w_v)`` or ``(w_qkv,)``. Returns q, k, v ``(B, T, H, D)`` in x's dtype."""
     dim = x.shape[-1]
     h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, :dim])
-    q, k, v = F.linear(h, qkv[0]).chunk(3, dim=-1) if len(qkv) == 1 else (F.linear(h, w) for w in qkv)
+    q, k, v = _linear(h, qkv[0]).chunk(3, dim=-1) if len(qkv) == 1 else (_linear(h, w) for w in qkv)
     q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
     q = _rms_norm(q, norm_q, q_eps).to(v.dtype)
     k = _rms_norm(k, norm_k, k_eps).to(v.dtype)
@@ -130,10 +143,10 @@ def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_
 def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: float):
     """to_out, gated residual, norm2 + modulate, SwiGLU, gated residual. attn ``(B, T, H, D)``."""
     dim = x.shape[-1]
-    x = x + modulation[:-1, None, dim:2 * dim].tanh() * F.linear(attn.flatten(2, 3), w_out)
+    x = x + modulation[:-1, None, dim:2 * dim].tanh() * _linear(attn.flatten(2, 3), w_out)
     h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, 2 * dim:3 * dim])
-    x = x + modulation[:-1, None, 3 * dim:].tanh() * F.linear(
-        F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+    x = x + modulation[:-1, None, 3 * dim:].tanh() * _linear(
+        F.silu(_linear(h, w_gate)) * _linear(h, w_up), w_down)
     if x.dtype == torch.float16:
         x = x.clip(-65504, 65504)
     return x
@@ -191,7 +204,7 @@ class FastBlocks:
     """
 
     def __init__(self, transformer, attention, *, compile: bool = False, fuse_qkv: bool = False,
-                 emulate_casts: bool = True):
+                 emulate_casts: bool = True, fp8: bool = False):
         problem = structure_problem(transformer)
         if problem is not None:
             raise ValueError(problem.describe())
@@ -208,10 +221,15 @@ class FastBlocks:
             if fuse_qkv:
                 with torch.no_grad(), torch.inference_mode(False):
                     qkv = (torch.cat(qkv, dim=0),)
+            post = (a.to_out[0].weight, mlp.gate_layer.weight, mlp.proj.weight, mlp.out.weight)
+            if fp8:  # e4m3 copies, one scale per output channel (the bf16 weights stay)
+                with torch.no_grad():
+                    qkv = tuple(w8a8_weight(w) for w in qkv)
+                    post = tuple(w8a8_weight(w) for w in post)
             self._pre_args.append((qkv, a.norm_q.weight, a.norm_k.weight, b.img_norm1.eps,
                                    a.norm_q.eps, a.norm_k.eps, self.head_dim, compile))
-            self._post_args.append((a.to_out[0].weight, mlp.gate_layer.weight, mlp.proj.weight,
-                                    mlp.out.weight, b.img_norm2.eps))
+            self._post_args.append((*post, b.img_norm2.eps))
+        self.fp8 = fp8
         self._pre, self._post = REGIONS.select(blocks[0].attn.to_q.weight.device, compile=compile,
                                                emulate_precision_casts=emulate_casts)
 
