@@ -7,8 +7,8 @@
 # bundle (scripts/gpu/build_bundle.sh), whose folders .gpu-bundle* are unpacked here first when
 # present (idempotent; a later call while the host is up only adds what it brings).
 # STACK=0.30 runs against vllm-omni 0.30.0's tree (bundle target /tmp/site-omni-0.30.0) instead of
-# the bundle's default 0.26.0. .gpu-bundle-serve (scripts/gpu/build_serving_bundle.sh), when
-# present, adds the few wheels vllm-omni's engine needs beyond the bundle.
+# the bundle's default 0.26.0. The .gpu-bundle-serve* folders (scripts/gpu/build_serving_bundle.sh),
+# when present, add the few wheels vllm-omni's engine and server need beyond the bundle.
 # The project's own metadata (its entry points: vllm-omni finds the plugin only through them) is
 # installed into /tmp/site-project; the code itself runs from this checkout, first on PYTHONPATH.
 # GRAPHDECODE_TESTS (default: the tests folder) picks the test files or folders to run.
@@ -24,10 +24,11 @@ for unpack in "$here"/.gpu-bundle*/unpack.py; do
   [ -f "$unpack" ] && "$py" "$unpack" >>"$results/unpack.log" 2>&1
 done
 site=${GRAPHDECODE_SITE:-/tmp/site}
-if [ -x "$here/.gpu-bundle-serve/install.sh" ] && [ -d "$site" ]; then
-  PYTHON="$py" "$here/.gpu-bundle-serve/install.sh" "$site" >>"$results/unpack.log" 2>&1 \
-    || echo "serving bundle: install failed (see $results/unpack.log)" >&2
-fi
+for install in "$here"/.gpu-bundle-serve*/install.sh; do
+  [ -x "$install" ] && [ -d "$site" ] || continue
+  PYTHON="$py" "$install" "$site" >>"$results/unpack.log" 2>&1 \
+    || echo "serving bundle: $install failed (see $results/unpack.log)" >&2
+done
 
 # Entry points need installed metadata: PYTHONPATH to the checkout alone makes none.
 meta=${GRAPHDECODE_SITE_PROJECT:-/tmp/site-project}
