@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import environment  # noqa: E402
+from common import capture_graph, environment, time_ms  # noqa: E402
 
 from vllm_omni_graphdecode import fp8  # noqa: E402
 
@@ -188,28 +188,10 @@ def log(*a):
 
 
 def graph_ms(fn, replays: int = 10, trials: int = 7) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    del graph
-    return sorted(times)[len(times) // 2]
+    """ms per replay of ``fn`` captured as one graph (median of ``trials`` timings of
+    ``replays`` replays)."""
+    graph, _ = capture_graph(fn)
+    return time_ms(graph.replay, warmup=1, repeats=trials, inner=replays)
 
 
 def triton_reference(x, weight):
