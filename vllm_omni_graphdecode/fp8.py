@@ -45,8 +45,10 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
 NO_FP8 = Reason("FP8 weights unavailable",
-                "a CUDA GPU of compute capability 8.0 or newer and a CUDA build of vllm with its "
-                "Marlin GEMM (the step's linear layers then read their bf16 weights)")
+                "a CUDA GPU with FP8 support: weight-only FP8 (decode steps, vLLM's Marlin GEMM) "
+                "needs compute capability 8.0 or newer and a CUDA build of vllm, W8A8 GEMMs "
+                "(denoising steps) 8.9 or newer (Ada, Hopper); meanwhile the path reads its bf16 "
+                "weights")
 LAYER_KEPT = Reason("layer kept in bf16",
                     "nothing to change for LoRA: an adapter's layer runs its own bf16 kernel. "
                     "FP8 copies cover unquantised vllm linear layers without active LoRA "
