@@ -198,7 +198,7 @@ SETTINGS: tuple[Setting, ...] = (
             "serve in place of the in-tree one. qwen_image_21: Qwen-Image-2.1's fast cached step "
             "runs its 224 linear layers W8A8 (e4m3 weights with a scale per output channel, each "
             "activation row quantised on the fly inside the compiled regions, torch._scaled_mm); "
-            "the copies take ~7 GB beside the bf16 weights."),
+            "the copies take 6.98 GB beside the bf16 weights."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),

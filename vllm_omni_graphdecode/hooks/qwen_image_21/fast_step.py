@@ -41,7 +41,7 @@ FP8 (``fp8=True``, ``VLLM_OMNI_GRAPHDECODE_FP8`` naming ``qwen_image_21``): the 
 layers of every block run W8A8 (``fp8.w8a8_linear``: e4m3 weights with a scale per output channel,
 made here once, and each activation row quantised on the fly), so the rounding moves further from
 diffusers' (the PSNR is in docs/performance.md). The e4m3 copies add half the bf16 bytes of those
-layers (~7 GB at the real shape); the bf16 weights stay for the extract step and the exact mode.
+layers (6.98 GB at the real shape); the bf16 weights stay for the extract step and the exact mode.
 
 Preconditions (the caller checks them at bind): the step's rows are the target image only, with an
 all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
