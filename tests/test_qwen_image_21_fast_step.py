@@ -409,6 +409,21 @@ def test_fp8_body_stays_near_diffusers_cached_blocks_and_reads_its_copies(compil
     torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
 
 
+def test_fp8_copies_are_made_at_construction_dropped_by_release_and_made_again():
+    model, _, cache, seen = setup(torch.bfloat16, 1, 7, ((2, 4),))
+    bufs = qf.kv_buffers(prefix_of(cache, len(model.transformer_blocks)), seen[0]["hidden"].shape[1])
+    args = (seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
+    fast = fs.FastBlocks(model, kernels.SdpaAttention(), fp8=True)
+    assert len(fast.copies) == 7 * len(model.transformer_blocks)
+    with torch.no_grad():
+        first = fast(*args)
+        fast.release_copies()  # sleep level 2, after the graphs
+        assert len(fast.copies) == 0
+        again = fast(*args)
+    assert torch.equal(first, again)
+    assert len(fast.copies) == 7 * len(model.transformer_blocks)
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_compiled_fa3_body_stays_near_fp32_diffusers():
     """The W8A8 body as it runs on the H200 (compiled regions, row-wise FP8 ``_scaled_mm``, FA3)

@@ -74,6 +74,9 @@ def test_gpu_fp8_copy_computes_its_dequantised_weight_and_rows_do_not_mix(gpu):
 
 
 def test_gpu_fp8_copy_is_made_again_after_its_weight_is_written(gpu):
+    """Written through the parameter: quantised again into the same tensors (a graph captured
+    with them reads the new values). Written through ``.data`` as vLLM's loaders write (no trace
+    on the parameter): seen after ``release`` (sleep level 2), which drops every copy."""
     lm = _build_lm(gpu.tok)
     module = lm.model.layers[0].mlp.down_proj
     linears = fp8.Fp8Linears(MODEL)
@@ -81,9 +84,18 @@ def test_gpu_fp8_copy_is_made_again_after_its_weight_is_written(gpu):
     x = torch.randn(1, 1, module.weight.shape[1], device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         before = linears(module, x)
+        addresses = [p.data_ptr() for p in linears._copy_for(module)._holder.parameters()]
         module.weight.mul_(2.0)
         after = linears(module, x)
+        assert [p.data_ptr() for p in linears._copy_for(module)._holder.parameters()] == addresses
+        module.weight.data.mul_(0.5)
+        unseen = linears(module, x)
+        linears.release()
+        assert len(linears) == 0
+        released = linears(module, x)
     assert _relative(after, 2.0 * before.float()) < 1e-2
+    assert torch.equal(unseen, after)
+    assert torch.equal(released, before) and len(linears) == 1
 
 
 def test_gpu_fp8_step_equals_the_bf16_step_on_the_dequantised_weights_within_its_bound(gpu):

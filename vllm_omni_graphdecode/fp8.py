@@ -135,6 +135,15 @@ class Fp8Weight:
         """Whether the layer's weight or bias was replaced or written since this copy."""
         return self._source != (_version(weight), _version(bias))
 
+    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Quantise ``weight`` again into this copy's own tensors: a graph captured with them
+        reads the new values (a new copy would leave it reading freed memory)."""
+        fresh = Fp8Weight(weight, bias)
+        with torch.no_grad():
+            for mine, new in zip(self._holder.parameters(), fresh._holder.parameters()):
+                mine.copy_(new)
+        self._source = fresh._source
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._holder.parameters())
@@ -176,28 +185,88 @@ def w8a8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8, scale.view(1, -1)
 
 
-def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x @ (w8 * scale).T`` with ``x`` quantised to e4m3 on the fly, one scale per row (its
-    ``amax / 448``): the dynamic per-token W8A8 of vLLM's ``--quantization fp8``, through
+def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w8 * scale).T + bias`` with ``x`` quantised to e4m3 on the fly, one scale per row
+    (its ``amax / 448``): the dynamic per-token W8A8 of vLLM's ``--quantization fp8``, through
     ``torch._scaled_mm`` (row-wise scales, bf16 out). Written in plain torch ops so that inside
-    an Inductor region the quantisation fuses into the kernel that produces ``x``; a row of zeros
-    keeps scale 1."""
+    an Inductor region the quantisation fuses into the kernel that produces ``x`` (and the bias
+    add into the one that reads the product); a row of zeros keeps scale 1."""
     x2 = x.reshape(-1, x.shape[-1])
     amax = x2.abs().amax(dim=-1, keepdim=True).float()
     sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     x8 = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
     return out.reshape(*x.shape[:-1], w8.shape[0])
 
 
-def w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a bf16 weight tensor, ``w8a8_linear`` for a ``(w8, scale)`` copy
+    (``W8A8Copies``): what a compiled step body calls, so that one body serves both."""
+    if torch.is_tensor(weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    return w8a8_linear(x, *weight, bias)
+
+
+def w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """What ``w8a8_linear`` computes, in fp32 from the same e4m3 values (tests)."""
     x2 = x.reshape(-1, x.shape[-1]).float()
     amax = x2.abs().amax(dim=-1, keepdim=True)
     sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     xq = (x2 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * sx
     out = xq @ (w8.float() * scale.view(-1, 1)).T
+    if bias is not None:
+        out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+
+
+class W8A8Copies:
+    """The e4m3 copies (``w8a8_weight``) a W8A8 step body reads in place of bf16 weights: made
+    on first use (``copies(weight)`` -> ``(w8, scale)``), quantised again in place when the
+    weight was replaced or written through itself (captured graphs keep reading the copy's
+    addresses), dropped by ``release`` (sleep level 2, with the graphs that read them; re-made
+    from the weights present at the next use). A write through ``param.data`` (how vLLM's
+    weight loaders write) leaves no trace on the parameter: a weight update outside sleep needs
+    ``release`` too."""
+
+    def __init__(self):
+        self._made: dict[int, tuple[weakref.ref, tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        made = self._made.get(id(weight))
+        if made is not None and made[0]() is weight:
+            if made[1] == _version(weight):
+                return made[2]
+            w8, scale = made[2]
+            with torch.no_grad():
+                fresh = w8a8_weight(weight)
+                w8.copy_(fresh[0])
+                scale.copy_(fresh[1])
+            self._made[id(weight)] = (made[0], _version(weight), made[2])
+            return made[2]
+        with torch.no_grad():
+            copy = w8a8_weight(weight)
+        key = id(weight)
+
+        def forget(ref, made=self._made):  # a replaced weight's copy goes with it
+            if key in made and made[key][0] is ref:
+                del made[key]
+
+        self._made[key] = (weakref.ref(weight, forget), _version(weight), copy)
+        return copy
+
+    def release(self) -> None:
+        self._made.clear()
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, _, copy in self._made.values() for t in copy)
 
 
 class Fp8Linears:
@@ -213,6 +282,7 @@ class Fp8Linears:
     def __init__(self, model: str):
         self.model = model
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
 
     def quantize(self, modules) -> list[str]:
         """Make the copies of ``modules`` (name -> layer); returns why each one left is kept."""
@@ -220,9 +290,16 @@ class Fp8Linears:
         for name, module in modules.items():
             if gemv.Gemv.plain(module):
                 self._copies[module] = Fp8Weight(module.weight, module.bias)
+                self._covered.add(module)
             else:
                 kept.append(name)
         return kept
+
+    def release(self) -> None:
+        """Drop every copy (sleep level 2, with the graphs that read them): each is made again
+        from the layer's weight at the next capture. Sleep is also how a weight written through
+        ``param.data`` (vLLM's loaders) reaches the copies: such a write leaves no trace."""
+        self._copies.clear()
 
     @property
     def nbytes(self) -> int:
@@ -233,11 +310,13 @@ class Fp8Linears:
 
     def _copy_for(self, module):
         base = gemv.base_of_inactive_lora(module)
-        if base not in self._copies or not gemv.Gemv.plain(base):
+        if base not in self._covered or not gemv.Gemv.plain(base):
             return None
-        copy = self._copies[base]
-        if copy.stale(base.weight, base.bias):
+        copy = self._copies.get(base)
+        if copy is None:  # released since
             copy = self._copies[base] = Fp8Weight(base.weight, base.bias)
+        elif copy.stale(base.weight, base.bias):
+            copy.refresh(base.weight, base.bias)
         return copy
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:

@@ -152,8 +152,12 @@ class CachedStepGraphs:
         self.unwire()
 
     def release_graphs(self) -> None:
-        """Drop every entry and graph (sleep level 2); the next cached step binds and captures anew."""
+        """Drop every entry and graph (sleep level 2), then the fast body's FP8 copies they read;
+        the next cached step binds and captures anew (the copies made again from the weights
+        present then)."""
         self.graphs.release_all()
+        if isinstance(self._fast, _Fast):
+            self._fast.blocks.release_copies()
 
     def call(self, args: tuple, kwargs: dict):
         """The transformer's forward as wired: a cached step replays its graph; anything else,

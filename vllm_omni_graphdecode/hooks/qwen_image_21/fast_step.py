@@ -65,7 +65,7 @@ from ...compiling import (  # noqa: F401 - the names callers read from here
     compile_supported,
     dense_strides as _dense_strides,
 )
-from ...fp8 import w8a8_linear, w8a8_weight
+from ...fp8 import W8A8Copies, linear
 from ...reasons import STRUCTURE, Reason
 
 Tensor = torch.Tensor
@@ -120,12 +120,6 @@ def _rope(x: Tensor, rotary: Tensor, real: bool) -> Tensor:
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(3).type_as(x)
 
 
-def _linear(x: Tensor, w) -> Tensor:
-    """``F.linear(x, w)`` for a bf16 weight; for an FP8 one (``(w8, scale)``, ``FastBlocks(fp8=
-    True)``) the W8A8 GEMM, whose per-row quantisation of ``x`` Inductor fuses into the region."""
-    return F.linear(x, w) if torch.is_tensor(w) else w8a8_linear(x, *w)
-
-
 def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_eps: float,
                    k_eps: float, head_dim: int, real_rope: bool):
     """norm1 + modulate, q/k/v, q/k RMSNorm, rotary. x ``(B, T, dim)``; modulation ``(B + 1,
@@ -133,7 +127,7 @@ def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_
     qkv ``(w_q, w_k, w_v)`` or ``(w_qkv,)``. Returns q, k, v ``(B, T, H, D)`` in x's dtype."""
     dim = x.shape[-1]
     h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, :dim])
-    q, k, v = _linear(h, qkv[0]).chunk(3, dim=-1) if len(qkv) == 1 else (_linear(h, w) for w in qkv)
+    q, k, v = linear(h, qkv[0]).chunk(3, dim=-1) if len(qkv) == 1 else (linear(h, w) for w in qkv)
     q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
     q = _rms_norm(q, norm_q, q_eps).to(v.dtype)
     k = _rms_norm(k, norm_k, k_eps).to(v.dtype)
@@ -143,10 +137,10 @@ def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_
 def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: float):
     """to_out, gated residual, norm2 + modulate, SwiGLU, gated residual. attn ``(B, T, H, D)``."""
     dim = x.shape[-1]
-    x = x + modulation[:-1, None, dim:2 * dim].tanh() * _linear(attn.flatten(2, 3), w_out)
+    x = x + modulation[:-1, None, dim:2 * dim].tanh() * linear(attn.flatten(2, 3), w_out)
     h = F.layer_norm(x, (dim,), eps=ln_eps) * (1 + modulation[:-1, None, 2 * dim:3 * dim])
-    x = x + modulation[:-1, None, 3 * dim:].tanh() * _linear(
-        F.silu(_linear(h, w_gate)) * _linear(h, w_up), w_down)
+    x = x + modulation[:-1, None, 3 * dim:].tanh() * linear(
+        F.silu(linear(h, w_gate)) * linear(h, w_up), w_down)
     if x.dtype == torch.float16:
         x = x.clip(-65504, 65504)
     return x
@@ -222,16 +216,31 @@ class FastBlocks:
                 with torch.no_grad(), torch.inference_mode(False):
                     qkv = (torch.cat(qkv, dim=0),)
             post = (a.to_out[0].weight, mlp.gate_layer.weight, mlp.proj.weight, mlp.out.weight)
-            if fp8:  # e4m3 copies, one scale per output channel (the bf16 weights stay)
-                with torch.no_grad():
-                    qkv = tuple(w8a8_weight(w) for w in qkv)
-                    post = tuple(w8a8_weight(w) for w in post)
             self._pre_args.append((qkv, a.norm_q.weight, a.norm_k.weight, b.img_norm1.eps,
                                    a.norm_q.eps, a.norm_k.eps, self.head_dim, compile))
             self._post_args.append((*post, b.img_norm2.eps))
+        # e4m3 copies, one scale per output channel (the bf16 weights stay), made now so that the
+        # load's memory shows them; ``release_copies`` drops them (sleep level 2).
+        self.copies = W8A8Copies() if fp8 else None
+        for i in range(len(blocks) if fp8 else 0):
+            self._weights(i)
         self.fp8 = fp8
         self._pre, self._post = REGIONS.select(blocks[0].attn.to_q.weight.device, compile=compile,
                                                emulate_precision_casts=emulate_casts)
+
+    def _weights(self, i: int):
+        """Block ``i``'s region arguments, with the e4m3 copies in place of the weights (fp8)."""
+        pre, post = self._pre_args[i], self._post_args[i]
+        if self.copies is None:
+            return pre, post
+        c = self.copies
+        return (tuple(c(w) for w in pre[0]), *pre[1:]), (*(c(w) for w in post[:4]), post[4])
+
+    def release_copies(self) -> None:
+        """Drop the e4m3 copies (after the graphs that read them); the next call makes them
+        again from the weights present then."""
+        if self.copies is not None:
+            self.copies.release()
 
     def prepare(self, buffers: KVBuffers) -> None:
         """Build what the attention needs for these buffers' shapes (call at bind)."""
@@ -255,9 +264,10 @@ class FastBlocks:
         """Block ``i`` alone; arguments as for the call. Writes layer ``i``'s target K/V."""
         rotary = torch.view_as_real(rotary) if rotary.is_complex() else rotary
         hidden = _dense_strides(hidden)
-        q, k, v = self._pre(hidden, modulation, rotary, *self._pre_args[i])
+        pre, post = self._weights(i)
+        q, k, v = self._pre(hidden, modulation, rotary, *pre)
         k_tail, v_tail = buffers.tails[i]
         k_tail.copy_(k)
         v_tail.copy_(v)
         out = self.attention(q, buffers.k[i], buffers.v[i])
-        return self._post(hidden, out, modulation, *self._post_args[i])
+        return self._post(hidden, out, modulation, *post)

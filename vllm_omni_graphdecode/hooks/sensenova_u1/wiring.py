@@ -129,6 +129,9 @@ class Wiring:
         self.sessions.release()
         if self.batch is not None:
             self.batch.release()
+        linears = _fp8_of(self.fusion)
+        if linears is not None:  # after the graphs that read them; re-made at the next capture
+            linears.release()
 
 
 def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = None,
