@@ -45,8 +45,9 @@ def test_enable_variable_accepts_documented_values(raw, models):
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "16384", "buckets listed in"),
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "1024, 16384", "buckets listed in"),
     ("VLLM_OMNI_GRAPHDECODE_FP8", "fp16",
-     "off (default), on (every FP8 path), or a comma list of sensenova_decode, qwen_image_21"),
-    ("VLLM_OMNI_GRAPHDECODE_FP8", "sensenova_decode,qwen", "sensenova_decode, qwen_image_21"),
+     "off (default), on (every FP8 path), or a comma list of sensenova_decode, "
+     "sensenova_denoise, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE_FP8", "sensenova_decode,qwen", "sensenova_denoise, qwen_image_21"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "0", "a positive integer"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "many", "a positive integer"),
 ])
@@ -63,6 +64,7 @@ def test_invalid_value_names_variable_value_and_what_is_accepted(var, raw, accep
     ("off", set()), ("0", set()), ("", set()), ("on", set(config.FP8_PATHS)),
     ("1", set(config.FP8_PATHS)), (" sensenova_decode ", {"sensenova_decode"}),
     ("qwen_image_21,sensenova_decode", {"qwen_image_21", "sensenova_decode"}),
+    ("sensenova_denoise", {"sensenova_denoise"}),
 ])
 def test_fp8_variable_accepts_off_on_and_path_names(raw, paths):
     assert config.parse({"VLLM_OMNI_GRAPHDECODE_FP8": raw}).fp8 == paths

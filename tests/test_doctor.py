@@ -33,7 +33,8 @@ def test_doctor_on_cpu_says_why_no_gpu_path(report):
     assert report["gpu"] is None and "CUDA" in report["why"]
     assert "not CUDA" in report["paged_attention_kernel"] or "no CUDA" in report[
         "paged_attention_kernel"]
-    assert report["fp8_weights"] == "unavailable: FP8 weights unavailable (device is cpu)"
+    no = "unavailable: FP8 weights unavailable (device is cpu)"
+    assert report["fp8_weights"] == f"decode steps: {no}; denoising steps: {no}"
     assert report["decode_step_ops"] == ("fused decode-step ops on cpu: not available: not CUDA "
                                          "(device is cpu)")
 

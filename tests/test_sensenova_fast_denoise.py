@@ -133,3 +133,63 @@ def test_the_norm_kind_is_read_from_the_release(checkpoint):  # noqa: F811
     assert torch.equal(fast_denoise.rms_norm(x, module.weight, 1e-6, True), module(x))
     h = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
     assert torch.equal(fast_denoise.rms_norm(h, norm.weight, norm.variance_epsilon, False), norm(h))
+
+
+def _fp8_pipeline(checkpoint, mode="fast"):  # noqa: F811
+    pipe = rm.load_sensenova_pipeline(checkpoint, dtype=DTYPE)
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": mode,
+                        "VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_denoise"})
+    return pipe, hook.install(pipe, cfg, None, image_graphs=False)
+
+
+def _relative(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_fp8_fast_steps_stay_near_the_pipelines_own_within_their_bound(checkpoint, eager):  # noqa: F811
+    """``VLLM_OMNI_GRAPHDECODE_FP8=sensenova_denoise``: the fast body's four linear layers a layer
+    run W8A8 from e4m3 copies (torch's CPU ``_scaled_mm`` here, compiled regions). Measured on
+    this CPU (tiny checkpoint, 2 layers, bf16): 3.1% and 3.6% relative RMS for the first step's
+    two branches from the pipeline's own bits, 7.3% and 6.6% for the second's (its latents have
+    moved with the first step's rounding); the bf16 fast body equals them exactly (above).
+    Bound 12%."""
+    pipe, summary = _fp8_pipeline(checkpoint)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    layers = len(pipe.language_model.model.layers)
+    assert isinstance(state.fast, fast_denoise.FastGen) and len(state.fast.fp8) == 4 * layers
+    assert "FP8 (W8A8) GEMMs from e4m3 copies of" in summary
+    steps = rm.generate_image(pipe, *CASES["t2i_cfg4"])[1]
+    want = eager["t2i_cfg4"][1]
+    assert len(steps) == len(want)
+    errors = [_relative(a, b) for a, b in zip(steps, want)]
+    print("FP8 fast steps, relative RMS from the pipeline's:", [f"{e:.4f}" for e in errors])
+    assert all(0 < e <= 0.12 for e in errors), errors  # 0: the copies were not read
+    assert stats.degraded_paths(MODEL) == {}
+
+
+def test_fp8_copies_are_dropped_at_release_and_made_again_from_the_weights_then(checkpoint):  # noqa: F811
+    pipe, _ = _fp8_pipeline(checkpoint)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+    request, refs = CASES["t2i_cfg4"]
+    first = rm.generate_image(pipe, request, refs)[1]
+    pipe.release_captured_graphs()  # what sleep level 2 calls
+    assert len(state.fast.fp8) == 0
+    again = rm.generate_image(pipe, request, refs)[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(state.fast.fp8) == 4 * len(pipe.language_model.model.layers)
+    # Weights written as vLLM's loaders write them (through .data, no trace on the parameter),
+    # then sleep: the next request reads copies of the new weights.
+    pipe.release_captured_graphs()
+    for layer in pipe.language_model.model.layers:
+        layer.mlp_mot_gen.down_proj.weight.data.mul_(2)
+    changed = rm.generate_image(pipe, request, refs)[1]
+    assert not torch.equal(changed[0], first[0])
+
+
+def test_fp8_outside_the_fast_mode_runs_the_pipelines_bits_with_the_reason(checkpoint, eager):  # noqa: F811
+    pipe, summary = _fp8_pipeline(checkpoint, mode="graph")
+    assert "FP8" not in summary
+    steps = rm.generate_image(pipe, *CASES["t2i_cfg4"])[1]
+    assert all(torch.equal(a, b) for a, b in zip(steps, eager["t2i_cfg4"][1]))
+    assert stats.degraded_paths(MODEL) == {f"{MODEL}: {denoise.FP8_NEEDS_FAST.key}": 1}

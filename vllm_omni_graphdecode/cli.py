@@ -70,9 +70,16 @@ def doctor_report() -> dict:
     try:
         from . import fp8
 
-        why = fp8.available("cuda:0" if report.get("gpu") else "cpu")
-        report["fp8_weights"] = ("vLLM Marlin W8A16 (e4m3 weights, bf16 activations)"
-                                 if why is None else f"unavailable: {why.describe()}")
+        device = "cuda:0" if report.get("gpu") else "cpu"
+        why = fp8.available(device)
+        decode = ("vLLM Marlin W8A16 (e4m3 weights, bf16 activations)"
+                  if why is None else f"unavailable: {why.describe()}")
+        # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.
+        why = (fp8.w8a8_available(device) if device != "cpu"
+               else fp8.NO_FP8.because("device is cpu"))
+        steps = ("W8A8 (torch._scaled_mm, e4m3 weights and per-row activation scales)"
+                 if why is None else f"unavailable: {why.describe()}")
+        report["fp8_weights"] = f"decode steps: {decode}; denoising steps: {steps}"
     except Exception as exc:
         report["fp8_weights"] = f"unknown: {exc!r}"
     from . import loading

@@ -24,7 +24,7 @@ SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
 SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
 FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
 # The hot paths that can read FP8 weight copies (issue #23); ``on`` means all of them.
-FP8_PATHS = ("sensenova_decode", "qwen_image_21")
+FP8_PATHS = ("sensenova_decode", "sensenova_denoise", "qwen_image_21")
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -195,7 +195,10 @@ SETTINGS: tuple[Setting, ...] = (
             "bf16 activations; it rounds differently from the bf16 step (docs/performance.md, "
             "FP8 weights); the copies take half the bytes of the layers they cover (8.1 GB for "
             "SenseNova-U1-8B), the bf16 weights stay for prefill and fallbacks. On vllm-omni 0.30 it makes the plugin's decode "
-            "serve in place of the in-tree one. qwen_image_21: Qwen-Image-2.1's fast cached step "
+            "serve in place of the in-tree one. sensenova_denoise: SenseNova-U1's fast denoising "
+            "mode (VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast) runs the generation pathway's "
+            "168 linear layers W8A8, like qwen_image_21; the copies take half their bf16 bytes. "
+            "qwen_image_21: Qwen-Image-2.1's fast cached step "
             "runs its 224 linear layers W8A8 (e4m3 weights with a scale per output channel, each "
             "activation row quantised on the fly inside the compiled regions, torch._scaled_mm); "
             "the copies take 6.98 GB beside the bf16 weights."),

@@ -53,7 +53,7 @@ import weakref
 
 import torch
 
-from ... import eligibility, patching, prefix_graph, stats
+from ... import eligibility, fp8, patching, prefix_graph, stats
 from ...patching import HookRefused, check_signature
 from ...reasons import (ARGUMENTS, AUTOGRAD, FAST_NOT_HERE, LORA, NOT_CUDA, PARALLEL, QUANT_KV,
                         Reason)
@@ -87,6 +87,9 @@ MASKED = Reason("the branch attends with an attention mask",
 NO_BUFFERS = Reason("the branch's cache has no prefix + image buffers (prepare_flash_kv_cache)",
                     "report this with the vllm-omni version: the pipeline prepares them before "
                     "denoising")
+FP8_NEEDS_FAST = Reason("FP8 weights need the fast denoising mode",
+                        "set VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast: the graph mode replays "
+                        "the pipeline's own layers, which read the bf16 weights")
 NOT_WIRED = Reason("SenseNova-U1's denoising code moved",
                    "use vllm-omni 0.24-0.30 (python -m vllm_omni_graphdecode doctor)")
 
@@ -195,7 +198,9 @@ class Denoiser:
         self._fast_code = None
         if cfg.sensenova_denoise == "fast":  # built now, so the load's summary says what runs
             weight = self.lm.model.layers[0].self_attn.qkv_proj_mot_gen.weight
-            self.fast = self._build_fast(weight.dtype)
+            self.fast = self._build_fast(weight.dtype, "sensenova_denoise" in cfg.fp8)
+        elif "sensenova_denoise" in cfg.fp8:
+            stats.degraded(MODEL, FP8_NEEDS_FAST.because(f"mode {cfg.sensenova_denoise}"))
         self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
                                                 capture=capture is not False,
@@ -384,7 +389,7 @@ class Denoiser:
             return None
         return self.fast
 
-    def _build_fast(self, dtype):
+    def _build_fast(self, dtype, use_fp8: bool = False):
         from ... import kernels
 
         attn0 = self.lm.model.layers[0].self_attn
@@ -395,9 +400,16 @@ class Denoiser:
         attention = kernels.select_dense_attention(device, attn0.head_dim, dtype)
         if isinstance(attention, Reason):
             return attention
+        copies = None
+        if use_fp8:
+            why = fp8.w8a8_available(device)
+            if why is None:
+                copies = fp8.W8A8Copies()
+            else:  # the fast body in bf16
+                stats.degraded(MODEL, why)
         try:
             fast = fast_denoise.FastGen(self.lm, self.layout, attention,
-                                        layouts.output_class(self.lm))
+                                        layouts.output_class(self.lm), fp8=copies)
         except fast_denoise.CompileFailed as exc:
             return exc.reason
         predict = type(self.pipeline)._t2i_predict_v
@@ -421,14 +433,20 @@ class Denoiser:
             self.graphs.release(cache)
 
     def release(self) -> None:
-        """Drop every entry and graph (sleep level 2)."""
+        """Drop every entry and graph (sleep level 2), then the FP8 copies they read (made again
+        at the next step)."""
         self.graphs.release_all()
+        if isinstance(self.fast, fast_denoise.FastGen):
+            self.fast.release_copies()
 
     def describe(self) -> str:
         where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
         body = "the pipeline's own code"
         if isinstance(self.fast, fast_denoise.FastGen):
             body = f"fast mode: restated layers, Inductor-fused, {self.fast.attention.name}"
+            if self.fast.fp8 is not None:
+                body += (f", FP8 (W8A8) GEMMs from e4m3 copies of "
+                         f"{self.fast.fp8_nbytes / 1e9:.2f} GB")
         elif isinstance(self.fast, Reason):
             body += f"; fast mode not applicable: {self.fast.describe()}"
         line = f"image denoising: each CFG branch's step replayed ({where}, {body})"

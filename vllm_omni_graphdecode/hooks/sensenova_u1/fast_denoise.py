@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ...compiling import COMPILE_FAILED, CompileFailed, Regions, dense_strides
+from ...fp8 import W8A8Copies, linear
 from ...reasons import STRUCTURE, Reason
 from .ops import qk_norm_rope, rms_norm, rope_tables
 
@@ -56,9 +57,10 @@ Tensor = torch.Tensor
 
 def pre_attention(normed: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, wq, wk, wq_hw, wk_hw,
                   tables, eps: float, cast_chain: bool, heads: int, kv_heads: int, head_dim: int):
-    """One layer up to the attention: (q, k, v), each (B, S, heads, D)."""
+    """One layer up to the attention: (q, k, v), each (B, S, heads, D). A weight is a bf16
+    tensor or an e4m3 copy (``fp8.linear``)."""
     b, s = normed.shape[:2]
-    qkv = F.linear(normed, w_qkv, b_qkv)
+    qkv = linear(normed, w_qkv, b_qkv)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = qk_norm_rope(q.view(b, s, heads, head_dim), k.view(b, s, kv_heads, head_dim),
                         wq, wk, wq_hw, wk_hw, tables, eps, cast_chain)
@@ -69,9 +71,9 @@ def post_attention(x: Tensor, attn: Tensor, w_o: Tensor, b_o: Tensor | None, w_p
                    w_gate_up: Tensor, w_down: Tensor, w_next: Tensor, eps: float,
                    next_eps: float, cast_chain: bool):
     """One layer after the attention, and the next layer's input norm: (x, normed next)."""
-    h = x + F.linear(attn.flatten(2), w_o, b_o)
-    gate, up = F.linear(rms_norm(h, w_post, eps, cast_chain), w_gate_up).chunk(2, dim=-1)
-    out = h + F.linear(F.silu(gate) * up, w_down)
+    h = x + linear(attn.flatten(2), w_o, b_o)
+    gate, up = linear(rms_norm(h, w_post, eps, cast_chain), w_gate_up).chunk(2, dim=-1)
+    out = h + linear(F.silu(gate) * up, w_down)
     return out, rms_norm(out, w_next, next_eps, cast_chain)
 
 
@@ -173,9 +175,14 @@ class FastGen:
     ``flash_k_cache`` / ``flash_v_cache`` ``(B, prefix + image, kv_heads, D)`` and
     ``flash_prefix_len``; the image rows are overwritten. ``attention``: from
     ``kernels.select_dense_attention``; call ``prepare`` for each buffer shape outside a capture.
-    Raises ``CompileFailed`` (compile unavailable here, or a compile that failed)."""
+    Raises ``CompileFailed`` (compile unavailable here, or a compile that failed).
 
-    def __init__(self, language_model, layout, attention, output, *, compile: bool = True):
+    ``fp8``: the four linear layers of every layer run W8A8 (``fp8.w8a8_linear``) from these
+    copies, made now (``fp8.nbytes``); ``release_copies`` drops them (sleep level 2, after the
+    graphs that read them), and the next call makes them again."""
+
+    def __init__(self, language_model, layout, attention, output, *, compile: bool = True,
+                 fp8: W8A8Copies | None = None):
         problem = structure_problem(language_model, layout.rope_per_layer)
         if problem is not None:
             raise ValueError(problem.describe())
@@ -209,12 +216,33 @@ class FastGen:
                 .variance_epsilon, nxt.variance_epsilon))
         self._shape = (first.num_heads, first.num_kv_heads, first.head_dim,
                        first.q_norm_mot_gen.variance_epsilon)
+        self.fp8 = fp8
+        if fp8 is not None:  # made at load, so the load's memory shows them
+            for i in range(len(layers)):
+                self._weights(i)
         self._pre, self._post = REGIONS.select(layers[0].self_attn.qkv_proj_mot_gen.weight.device,
                                                compile=compile, emulate_precision_casts=True)
 
     def prepare(self, batch: int, image: int, total: int, device) -> None:
         """What the attention needs for these shapes (at bind, outside any capture)."""
         self.attention.prepare(batch, image, total, device)
+
+    @property
+    def fp8_nbytes(self) -> int:
+        return self.fp8.nbytes if self.fp8 is not None else 0
+
+    def release_copies(self) -> None:
+        if self.fp8 is not None:
+            self.fp8.release()
+
+    def _weights(self, i: int):
+        """Layer ``i``'s region arguments: the bf16 weights, or their e4m3 copies in their place."""
+        pre, post = self._pre_args[i], self._post_args[i]
+        if self.fp8 is None:
+            return pre, post
+        c = self.fp8
+        return (c(pre[0]), *pre[1:]), (c(post[0]), post[1], post[2], c(post[3]), c(post[4]),
+                                       *post[5:])
 
     def tables(self, hidden: Tensor, indexes: Tensor):
         return rope_tables(*self._rope_modules, hidden, indexes)
@@ -227,15 +255,15 @@ class FastGen:
         w_in, eps_in = self._input_norm
         normed = rms_norm(x, w_in, eps_in, self.cast_chain)
         for i, cache in enumerate(past_key_values.layers):
-            wq_kv = self._pre_args[i]
-            q, k, v = self._pre(normed, *wq_kv, tables, qk_eps, self.cast_chain, heads, kv_heads,
+            pre, post = self._weights(i)
+            q, k, v = self._pre(normed, *pre, tables, qk_eps, self.cast_chain, heads, kv_heads,
                                 head_dim)
             prefix = cache.flash_prefix_len
             keys, values = cache.flash_k_cache, cache.flash_v_cache
             keys[:, prefix:].copy_(k)
             values[:, prefix:].copy_(v)
             out = self.attention(q, keys, values, softmax_scale=self.scale)
-            x, normed = self._post(x, out, *self._post_args[i], self.cast_chain)
+            x, normed = self._post(x, out, *post, self.cast_chain)
         return self.output(hidden_states=normed, past_key_values=past_key_values)
 
 
