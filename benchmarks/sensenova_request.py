@@ -187,6 +187,7 @@ REAL_SOURCES = {
 # Set for the plugin side only.
 PLUGIN_ENV = {"VLLM_OMNI_GRAPHDECODE": "1", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"}
 DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
+FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
 INTREE_VAR = "VLLM_OMNI_SENSENOVA_PAGED_DECODE"
 END_TOKENS = ("<|im_end|>", "</think>")  # the think loop's stops: lm_head rows zeroed
 BRANCHES = ("cond", "img_cond", "uncond")
@@ -750,13 +751,14 @@ def outside_flops(pipe, image_tokens: int) -> float:
 
 # -- the sides -----------------------------------------------------------------------------------
 
-def plugin_config(log: Log, denoise: str = "graph"):
+def plugin_config(log: Log, denoise: str = "graph", fp8: str = "off"):
     """The plugin side's config, parsed from the environment with ``PLUGIN_ENV`` set (the
-    denoising mode ``denoise``; the caller restores the environment from the returned ``saved``).
-    A rejected or unknown denoising variable is recorded and dropped."""
+    denoising mode ``denoise``, ``VLLM_OMNI_GRAPHDECODE_FP8=fp8``; the caller restores the
+    environment from the returned ``saved``). A rejected or unknown denoising variable is
+    recorded and dropped."""
     from vllm_omni_graphdecode import config
 
-    env = dict(PLUGIN_ENV, **{DENOISE_VAR: denoise})
+    env = dict(PLUGIN_ENV, **{DENOISE_VAR: denoise, FP8_VAR: fp8})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     load = getattr(config, "load", None)
@@ -961,8 +963,9 @@ def _profile_or_error(pipe, args, device, log, side: str) -> dict:
     return rep
 
 
-def case_name(kind: str, size: int, tiny_model: bool) -> str:
-    return f"sensenova_{kind}_{size}" + ("_tiny" if tiny_model else "")
+def case_name(kind: str, size: int, tiny_model: bool, fp8: str = "off") -> str:
+    return (f"sensenova_{kind}_{size}" + ("_fp8" if fp8 != "off" else "")
+            + ("_tiny" if tiny_model else ""))
 
 
 def request_row(name: str, think: bool, eager: dict, ours: dict | None, args, floor_step_ms,
@@ -1024,12 +1027,12 @@ def build_rows(results: dict, plugin: dict, args, modes: list[bool], pipe, rate:
     side has run)."""
     eager, ours = results.get("eager", {}), results.get("plugin", {})
     step_mode = "no_think" if "no_think" in eager else "think"
-    srow = step_row(case_name("image_step", args.size, args.tiny), step_mode, eager[step_mode],
+    srow = step_row(case_name("image_step", args.size, args.tiny, args.fp8), step_mode, eager[step_mode],
                     ours.get(step_mode), pipe, rate)
     rows = [srow]
     for think in modes:
         mode = "think" if think else "no_think"
-        name = case_name("t2i_think" if think else "t2i", args.size, args.tiny)
+        name = case_name("t2i_think" if think else "t2i", args.size, args.tiny, args.fp8)
         rows.append(request_row(name, think, eager[mode], ours.get(mode), args, srow["floor_ms"],
                                 plugin))
     if "error" in plugin:
@@ -1067,6 +1070,9 @@ def main(argv=None) -> int:
     ap.add_argument("--denoise", choices=("graph", "fast"), default="graph",
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (graph: the "
                          "exact mode, the pipeline's own step; fast: the restated body)")
+    ap.add_argument("--fp8", default="off",
+                    help="the plugin side's VLLM_OMNI_GRAPHDECODE_FP8 (off, on, or paths: "
+                         "sensenova_decode, sensenova_denoise); rows get an _fp8 suffix")
     ap.add_argument("--rounding-references", action="store_true",
                     help="also run the think-off request with each rounding vllm-omni ships or "
                          "has shipped (ROUNDING_REFERENCES) and report its PSNR against eager's "
@@ -1141,7 +1147,7 @@ def main(argv=None) -> int:
                                              results["eager"]["no_think"]["image"])
         rows[:] = build_rows(results, plugin, args, modes, pipe, rate)
         write()
-        cfg, record, saved = plugin_config(log, args.denoise)
+        cfg, record, saved = plugin_config(log, args.denoise, args.fp8)
         env["plugin_config"] = record
         stats.reset()
         free_before = _free_mib(device)

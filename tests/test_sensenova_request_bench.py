@@ -108,6 +108,19 @@ def test_on_cpu_the_wired_pipeline_runs_its_own_steps_so_the_images_are_equal(re
     assert sr.DENOISE_VAR not in os.environ  # set for the plugin side only
 
 
+def test_fp8_option_names_the_rows_and_sets_the_variable_for_the_plugin_side_only():
+    assert sr.case_name("image_step", 1024, False, "on") == "sensenova_image_step_1024_fp8"
+    assert sr.case_name("t2i_think", 1024, False, "off") == "sensenova_t2i_think_1024"
+    saved_env = dict(os.environ)
+    cfg, record, saved = sr.plugin_config(lambda *a: None, "fast", "sensenova_denoise")
+    try:
+        assert cfg.fp8 == {"sensenova_denoise"} and cfg.sensenova_denoise == "fast"
+        assert record["env"][sr.FP8_VAR] == "sensenova_denoise"
+    finally:
+        sr._restore_env(saved)
+    assert dict(os.environ) == saved_env
+
+
 def test_the_branch_step_profile_ran_on_both_sides(result):
     _, data, _ = result
     profiles = data["environment"]["branch_step_profile"]

@@ -258,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--layers", type=int, default=42)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--lm-head-only", action="store_true",
+                    help="only lm_head, both ways (bf16, the Triton kernel, Marlin)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
@@ -267,6 +269,9 @@ def main(argv=None) -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     t0 = time.monotonic()
+    if args.lm_head_only:
+        doc["lm_head"] = lm_head(rows_list)
+        return _write(doc, args.out, t0)
     if args.sweep:
         best, doc["sweep"] = sweep(args.layers, (1, 16))
         for name, cfg in best.items():
@@ -339,11 +344,18 @@ def main(argv=None) -> int:
                        "note": "weight bytes over 4.28 TB/s (FACTS: the H200's copy bandwidth)"}
     bf16 = q = mar = None  # the chain's weights, freed before lm_head's
     torch.cuda.empty_cache()
+    doc["lm_head"] = lm_head(rows_list)
+    return _write(doc, args.out, t0)
 
-    # lm_head, both ways (3 copies so L2 does not serve it).
+
+def lm_head(rows_list) -> dict:
+    """lm_head (151,936 x 4,096), both ways: bf16 ``F.linear``, the hand-written Triton kernel
+    (``fp8_ms``) and Marlin (``marlin_ms``, what the plugin would run), 3 copies so L2 does not
+    serve one; argmax agreement with bf16 over the rows (random weights)."""
     heads = [torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
              for _ in range(3)]
     qh = [TritonWeight.from_weight(w) for w in heads]
+    mh = [fp8.Fp8Weight(w) for w in heads] if fp8.available("cuda") is None else None
     lm = {}
     for m in rows_list:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -352,12 +364,21 @@ def main(argv=None) -> int:
         ref = F.linear(x, heads[0]).float()
         y = triton_linear(x, qh[0]).float()
         lm[f"argmax_agree_m{m}"] = float((y.argmax(-1) == ref.argmax(-1)).float().mean())
-    doc["lm_head"] = lm
+        if mh is not None:
+            lm[f"marlin_ms_m{m}"] = round(graph_ms(lambda: [w(x) for w in mh]) / 3, 4)
+            y = mh[0](x).float()
+            lm[f"marlin_argmax_agree_m{m}"] = float((y.argmax(-1) == ref.argmax(-1)).float().mean())
+            lm[f"marlin_rel_err_m{m}"] = round(float((y - ref).norm() / ref.norm()), 5)
+    return lm
+
+
+def _write(doc: dict, out: str, t0: float) -> int:
     doc["seconds"] = round(time.monotonic() - t0, 1)
     text = json.dumps(doc, indent=1)
-    with open(os.path.join(args.out, "fp8-gemv.json"), "w") as f:
+    with open(os.path.join(out, "fp8-gemv.json"), "w") as f:
         f.write(text)
     print(text)
+    return 0
     return 0
 
 

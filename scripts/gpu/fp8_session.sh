@@ -18,9 +18,22 @@
 #                                   # both models, then Qwen-Image-2.1's 1024x1024 image with the
 #                                   # fast step bf16 and W8A8 against diffusers
 #
+# A later session (one machine, four calls in a row; #23's SenseNova-U1 FP8 denoising, #22's
+# 0.30 serving run and the engine test three times):
+#
+#   scripts/gpu/fp8_session.sh g1   # 0.26 (.gpu-bundle, .gpu-bundle-serve): the FP8 GPU tests
+#                                   # of both models (denoising, copies after writes and release),
+#                                   # lm_head both ways (probe)
+#   scripts/gpu/fp8_session.sh g2   # .gpu-bundle-2 arrives; the engine test of #22 item 4 three
+#                                   # times in a row on 0.26, each run its own processes
+#   scripts/gpu/fp8_session.sh g3   # .gpu-bundle-3: the 0.30 stack; the whole request, release
+#                                   # against the plugin with FP8 on and the fast denoising
+#   scripts/gpu/fp8_session.sh g4   # .gpu-bundle-serve-030: tests/test_e2e_serve_gpu.py on 0.30,
+#                                   # then the denoising FP8 GPU test on 0.30
+#
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: fp8_session.sh f1|f2|f3|f4}
+what=${1:?usage: fp8_session.sh f1|f2|f3|f4|f6|f7|g1|g2|g3|g4}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -77,6 +90,35 @@ case "$what" in
     PYTHONPATH=$py26 timeout 240 python3 benchmarks/qwen_image.py --out "$res/qwen-image-0.26" \
       --modes fast,fast_fp8 --cfg 1 >"$res/qwen-image-0.26/stdout.jsonl" 2>"$res/qwen-image-0.26/log"
     echo "qwen-image-0.26: exit $?" >>"$res/summary.txt"
+    ;;
+  g1)
+    suite 280 fp8-tests-0.26 "tests/test_sensenova_denoise_gpu.py tests/test_sensenova_fp8_gpu.py tests/test_qwen_image_21_fast_step.py" \
+      -q -rfE -s -k "fp8"
+    mkdir -p "$res/lm-head-0.26"
+    PYTHONPATH=$py26 timeout 120 python3 benchmarks/probes/fp8_gemv.py --out "$res/lm-head-0.26" \
+      --lm-head-only >"$res/lm-head-0.26/stdout.json" 2>"$res/lm-head-0.26/log"
+    echo "lm-head-0.26: exit $?" >>"$res/summary.txt"
+    ;;
+  g2)
+    for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
+    for run in 1 2 3; do
+      suite 170 "e2e-think-0.26-run$run" tests/test_e2e_engine_gpu.py -q -rfE \
+        -k "same_for_the_same_think_tokens"
+    done
+    ;;
+  g3)
+    export STACK=0.30
+    for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
+    mkdir -p "$res/request-fp8-0.30"
+    PYTHONPATH=$py30 timeout 500 python3 benchmarks/sensenova_request.py --out "$res/request-fp8-0.30" \
+      --size 1024 --steps 50 --cfg 4 --think both --denoise fast --fp8 on --no-audit \
+      >"$res/request-fp8-0.30/stdout.jsonl" 2>"$res/request-fp8-0.30/stderr.log"
+    echo "request-fp8-0.30: exit $?" >>"$res/summary.txt"
+    ;;
+  g4)
+    export STACK=0.30
+    GRAPHDECODE_SERVE_OUT="$res/serve-0.30-out" suite 330 serve-0.30 tests/test_e2e_serve_gpu.py -q -rfE
+    suite 150 fp8-denoise-0.30 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8 or fast"
     ;;
 esac
 rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null
