@@ -30,10 +30,13 @@
 #                                   # against the plugin with FP8 on and the fast denoising
 #   scripts/gpu/fp8_session.sh g4   # .gpu-bundle-serve-030: tests/test_e2e_serve_gpu.py on 0.30,
 #                                   # then the denoising FP8 GPU test on 0.30
+#   scripts/gpu/fp8_session.sh g5   # a fresh machine, 0.26 (.gpu-bundle): the denoising FP8
+#                                   # GPU tests with the bounds measured in g1/g4, and the
+#                                   # compiled FP8 step against its fp32 restatement
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: fp8_session.sh f1|f2|f3|f4|f6|f7|g1|g2|g3|g4}
+what=${1:?usage: fp8_session.sh f1|f2|f3|f4|f6|f7|g1|g2|g3|g4|g5}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -119,6 +122,9 @@ case "$what" in
     export STACK=0.30
     GRAPHDECODE_SERVE_OUT="$res/serve-0.30-out" suite 330 serve-0.30 tests/test_e2e_serve_gpu.py -q -rfE
     suite 150 fp8-denoise-0.30 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8 or fast"
+    ;;
+  g5)
+    suite 240 fp8-denoise-0.26 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8"
     ;;
 esac
 rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null
