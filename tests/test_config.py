@@ -118,3 +118,15 @@ def test_get_parses_once_per_process(monkeypatch):
     monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE", "qwen_image_21")
     assert config.get() is first
     assert first.models == {"sensenova_u1"}
+
+
+@pytest.mark.parametrize("env,mode", [
+    ({"VLLM_OMNI_GRAPHDECODE_FP8": "on"}, "fast"),
+    ({"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_denoise"}, "fast"),
+    ({"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}, "graph"),
+    ({"VLLM_OMNI_GRAPHDECODE_FP8": "on", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"}, "graph"),
+    ({"VLLM_OMNI_GRAPHDECODE_FP8": "on", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "off"}, "off"),
+    ({}, "graph"),
+])
+def test_fp8_for_sensenova_denoising_selects_the_fast_mode_unless_a_mode_is_set(env, mode):
+    assert config.parse(env).sensenova_denoise == mode

@@ -179,7 +179,7 @@ SETTINGS: tuple[Setting, ...] = (
             "0.30; rounding differs: 30.4 dB from the pipeline's image with random weights, "
             "opt-in); off leaves the pipeline's steps as they are. graph by default: "
             "1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, 1024x1024), ~0.75 GB more "
-            "peak memory."),
+            "peak memory. Unset while VLLM_OMNI_GRAPHDECODE_FP8 names sensenova_denoise: fast."),
     Setting(SENSENOVA_BATCH_VAR, "auto", _choice("auto", "off"), "sensenova_batch",
             "SenseNova-U1 under load: auto declares request batching (vllm-omni 0.28 and newer: "
             "0.24 and 0.26 can lose a batch's outputs), so `vllm serve ... --omni "
@@ -196,8 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
             "FP8 weights); the copies take half the bytes of the layers they cover (8.1 GB for "
             "SenseNova-U1-8B), the bf16 weights stay for prefill and fallbacks. On vllm-omni 0.30 it makes the plugin's decode "
             "serve in place of the in-tree one. sensenova_denoise: SenseNova-U1's fast denoising "
-            "mode (VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast) runs the generation pathway's "
-            "168 linear layers W8A8, like qwen_image_21; the copies take half their bf16 bytes. "
+            "body runs the generation pathway's 168 linear layers W8A8, like qwen_image_21 (the "
+            "copies take 8.1 GB); with VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE unset it selects "
+            "the fast mode, set to graph it is counted as not run. "
             "qwen_image_21: Qwen-Image-2.1's fast cached step "
             "runs its 224 linear layers W8A8 (e4m3 weights with a scale per output channel, each "
             "activation row quantised on the fly inside the compiled regions, torch._scaled_mm); "
@@ -269,6 +270,9 @@ def parse(environ: Mapping[str, str] | None = None) -> Config:
     for s in SETTINGS:
         raw = environ.get(s.var)
         values[s.field] = s.parse(s.var, s.default if raw is None else raw)
+    if "sensenova_denoise" in values["fp8"] and environ.get(SENSENOVA_DENOISE_VAR) is None:
+        # FP8 weights exist only in the fast body; asking for them is asking for its rounding.
+        values["sensenova_denoise"] = "fast"
     if not values["precapture_buckets"]:
         values["precapture_buckets"] = (
             tuple(b for b in values["buckets"] if b <= PRECAPTURE_UP_TO) or values["buckets"][:1])
