@@ -160,3 +160,42 @@ def random_init_(module: torch.nn.Module, std: float = 0.02) -> None:
         for p in module.parameters():
             if p.dtype.is_floating_point:
                 p.normal_(0.0, std, generator=g)
+
+
+def ssim(a, b, data_range: float = 255.0) -> float:
+    """Mean structural similarity of two images (H, W) or (H, W, C), each channel alone, then
+    averaged: Wang et al. 2004 as ``skimage.metrics.structural_similarity`` computes it with
+    ``gaussian_weights=True, sigma=1.5, use_sample_covariance=False`` (an 11x11 Gaussian window,
+    K1 0.01, K2 0.03, edges mirrored, the 5-pixel border left out of the mean). 1.0: equal. Here
+    in torch, because the GPU host has no scikit-image (a CPU test checks the two agree)."""
+    import numpy as np
+
+    x = torch.as_tensor(np.asarray(a), dtype=torch.float64)
+    y = torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    if x.shape != y.shape:
+        raise ValueError(f"shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
+    if x.dim() == 2:
+        x, y = x[..., None], y[..., None]
+    radius = 5  # skimage: int(3.5 * sigma + 0.5) with sigma 1.5
+    t = torch.arange(-radius, radius + 1, dtype=torch.float64)
+    g = torch.exp(-0.5 * (t / 1.5) ** 2)
+    g = g / g.sum()
+
+    def blur(img):  # (C, H, W): separable Gaussian over mirrored edges (scipy's "reflect")
+        img = _mirror(img, radius)
+        img = torch.nn.functional.conv2d(img[:, None], g.view(1, 1, 1, -1))
+        return torch.nn.functional.conv2d(img, g.view(1, 1, -1, 1))[:, 0]
+
+    x, y = x.permute(2, 0, 1), y.permute(2, 0, 1)
+    mx, my = blur(x), blur(y)
+    vx, vy, cxy = blur(x * x) - mx * mx, blur(y * y) - my * my, blur(x * y) - mx * my
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+    return float(s[:, radius:-radius, radius:-radius].mean())
+
+
+def _mirror(img: torch.Tensor, r: int) -> torch.Tensor:
+    """``img`` (C, H, W) padded by ``r`` on both spatial sides, edge pixels repeated (numpy's
+    "symmetric", scipy.ndimage's "reflect")."""
+    img = torch.cat([img[:, :r].flip(1), img, img[:, -r:].flip(1)], dim=1)
+    return torch.cat([img[:, :, :r].flip(2), img, img[:, :, -r:].flip(2)], dim=2)

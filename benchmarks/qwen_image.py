@@ -407,8 +407,8 @@ def run_case(pipe, *, enable: Callable[..., Any], cfg: float, steps: int, height
     Order: an eager warm-up image (``warmup_steps``, default ``steps``), the eager image, then
     ``handle = enable(pipe, ...)``, the first wired image (``first_ours_ms``: binds each request
     branch and captures), the wired image (``ours_ms``), ``handle.disable()``. CFG > 1 uses
-    ``negative_prompt``. ``psnr_db`` compares the wired image with the eager one (``inf``: equal
-    to the bit); ``latents_max_abs_diff`` compares the final latents, before the VAE clamps
+    ``negative_prompt``. ``psnr_db`` and ``ssim`` compare the wired image with the eager one
+    (``inf`` and 1.0: equal to the bit); ``latents_max_abs_diff`` compares the final latents, before the VAE clamps
     anything. ``plugin_counters`` are the plugin's ``stats`` counters over the reported wired
     image (replays, static steps, eager steps), ``plugin_fallbacks`` its fallback reasons so far:
     a wired image that fell back to eager must not read as a result. ``wired_extra_mib``: device
@@ -447,6 +447,8 @@ def run_case(pipe, *, enable: Callable[..., Any], cfg: float, steps: int, height
     return {
         "eager_ms": eager_ms, "ours_ms": ours_ms, "first_ours_ms": first_ms,
         "psnr_db": psnr_db(eager_img, ours_img), "first_psnr_db": psnr_db(eager_img, first_img),
+        "ssim": common.ssim(eager_img.permute(1, 2, 0).cpu().numpy(),
+                            ours_img.permute(1, 2, 0).cpu().numpy(), data_range=1.0),
         "identical": bool(torch.equal(eager_img, ours_img)),
         "latents_max_abs_diff": float(latents_diff),
         "steps": steps, "warmup_steps": warmup_steps or steps, "height": height, "width": width,

@@ -84,8 +84,8 @@ What is timed, per side and think mode
 
 Rows
     ``sensenova_t2i_SIZE`` (think off), ``sensenova_t2i_think_SIZE`` (think on): whole request,
-    ``eager_ms``, ``ours_ms``, ``speedup``, ``first_*_ms``, ``psnr_db`` of the plugin's PIL image
-    against eager's (``"inf"``: equal), ``breakdown`` per side, think tokens, the plugin's counters
+    ``eager_ms``, ``ours_ms``, ``speedup``, ``first_*_ms``, ``psnr_db`` and ``ssim`` of the
+    plugin's PIL image against eager's (``"inf"`` and 1.0: equal), ``breakdown`` per side, think tokens, the plugin's counters
     over its timed request and its fallbacks, host syncs.
     ``sensenova_image_step_SIZE``: one denoising step, all branches (median over the steps of the
     think-off request, else the think-on one): ``eager_ms``, ``ours_ms``, and ``floor_ms`` = the
@@ -986,6 +986,7 @@ def request_row(name: str, think: bool, eager: dict, ours: dict | None, args, fl
         row_extra.update(
             ours_think_tokens=obd["think_tokens"], first_ours_ms=ours["first_ms"],
             psnr_db=psnr_db(eager["image"], ours["image"]),
+            ssim=common.ssim(eager["image"], ours["image"]),
             identical=bool((eager["image"] == ours["image"]).all()),
             plugin_counters=obd.get("plugin_counters", {}), plugin_fallbacks=plugin["fallbacks"],
             plugin_summary=plugin["summary"])

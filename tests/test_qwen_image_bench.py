@@ -26,7 +26,7 @@ from vllm_omni_graphdecode.hooks import qwen_image_21  # noqa: E402
 SIZE = 64  # 4x4 latents: the tiny pipeline's VAE compresses 16x, like the released one
 STEPS = 3
 
-ROW_FIELDS = ("eager_ms", "ours_ms", "first_ours_ms", "psnr_db", "first_psnr_db", "identical",
+ROW_FIELDS = ("eager_ms", "ours_ms", "first_ours_ms", "psnr_db", "first_psnr_db", "ssim", "identical",
               "latents_max_abs_diff", "steps", "warmup_steps", "height", "width", "true_cfg_scale",
               "prompt_tokens", "eager_step_ms", "ours_step_ms", "eager_split", "ours_split",
               "first_ours_split", "plugin_counters", "plugin_fallbacks")

@@ -30,7 +30,7 @@ from vllm_omni_graphdecode.reasons import NOT_CUDA  # noqa: E402
 SIZE, STEPS, THINK_TOKENS = 64, 2, 8
 # Rounding of each part to 4 decimals: the parts' sum may exceed the total by that much.
 EPS = 1e-3
-REQUEST_FIELDS = ("eager_ms", "ours_ms", "speedup", "psnr_db", "identical", "breakdown",
+REQUEST_FIELDS = ("eager_ms", "ours_ms", "speedup", "psnr_db", "ssim", "identical", "breakdown",
                   "first_eager_ms", "first_ours_ms", "eager_think_tokens", "ours_think_tokens",
                   "plugin_counters", "plugin_fallbacks", "plugin_summary", "prefix_tokens",
                   "image_tokens", "denoise_floor_ms", "syncs")
@@ -274,6 +274,25 @@ def test_rounding_variant_swaps_one_rounding_for_its_block_and_restores_it(tmp_p
     assert sys.modules.get(sr.TRITON_ROPE_MODULE, "absent") is before
     with pytest.raises(ValueError, match="rope_fallback, other_release_rmsnorm"):
         sr.rounding_variant(pipe, "fp64")
+
+
+def test_ssim_is_scikit_images_and_one_for_equal_images():
+    # scikit-image comes with vllm-omni's dependencies (cosmos-guardrail), not pinned here
+    structural_similarity = pytest.importorskip("skimage.metrics").structural_similarity
+    import common
+
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (40, 33, 3)).astype(np.uint8)  # odd sizes: the mirrored edges
+    b = np.clip(a + rng.normal(0, 25, a.shape), 0, 255).astype(np.uint8)
+    want = structural_similarity(a, b, gaussian_weights=True, sigma=1.5,
+                                 use_sample_covariance=False, data_range=255, channel_axis=-1)
+    assert common.ssim(a, b) == pytest.approx(want, abs=1e-9)
+    assert common.ssim(a, a.copy()) == 1.0
+    assert common.ssim(a[..., 0], b[..., 0]) == pytest.approx(structural_similarity(
+        a[..., 0], b[..., 0], gaussian_weights=True, sigma=1.5, use_sample_covariance=False,
+        data_range=255), abs=1e-9)
+    with pytest.raises(ValueError):
+        common.ssim(a, b[:-1])
 
 
 def test_psnr_db_is_inf_for_equal_images_and_10log10_of_peak_over_mse_otherwise():
