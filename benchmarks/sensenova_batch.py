@@ -203,7 +203,7 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
     wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
     single = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=(ctx, 2 * ctx),
                                         tokens_per_launch=8,
-                                        fusion=wiring.fusion if args.fp8 else "auto")
+                                        fusion=wiring.fusion if args.fp8 != "off" else "auto")
     prefix_logits, make_cache = rm.random_prefix(lm, ctx - 1, seed=ctx)
 
     def one_row():
@@ -250,9 +250,10 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
         ms = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
         rows_out.append(common.case(
-            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 else ""), batch1, ms, None,
+            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else ""),
+            batch1, ms, None,
             eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch"
-                       + (", FP8 weights" if args.fp8 else "") + "), ms/token",
+                       + (", FP8 weights" if args.fp8 != "off" else "") + "), ms/token",
             ours_side=f"the batched path, {n} rows decoding ({decoder.cache.rows} in the step), "
                       f"ms per step", context=ctx, rows=decoder.cache.rows,
             ours_over_eager=ms / batch1, ms_per_token=ms / n))
@@ -263,7 +264,8 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
 def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, rows: int,
                  eager_from: str | None = None, eager_ms=None) -> dict:
     name = (f"sensenova_batch_text_n{n}" if kind == "text"
-            else f"sensenova_batch_think_t2i_{args.size}_n{n}")
+            else f"sensenova_batch_think_t2i_{args.size}_n{n}") + (
+        "_fp8" if args.fp8 != "off" else "")
     eager = release["ms"] if release else eager_ms
     extra = dict(requests=n, rows=rows, ours_latency_ms=percentiles(ours["latency_ms"]),
                  ours_answers=[_public(a) for a in ours["answers"]])
@@ -275,6 +277,12 @@ def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, r
     if eager_from:
         extra["eager_from"] = eager_from
     return common.case(name, eager, ours["ms"], None, **extra)
+
+
+def _denoise_mode(fp8: str) -> str:
+    """The plugin side's denoising mode: the fast body when its FP8 GEMMs are asked for (they
+    exist only there), else the exact graph mode."""
+    return "fast" if fp8 in ("on", "1", "all") or "sensenova_denoise" in fp8 else "graph"
 
 
 def main(argv=None) -> int:
@@ -290,9 +298,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cfg", type=float, default=4.0)
     ap.add_argument("--context", type=int, default=2048, help="step case")
     ap.add_argument("--step-tokens", type=int, default=256, help="step case: tokens timed")
-    ap.add_argument("--fp8", action="store_true",
-                    help="the plugin's decode on FP8 weight copies (VLLM_OMNI_GRAPHDECODE_FP8="
-                         "sensenova_decode): case names end in _fp8")
+    ap.add_argument("--fp8", nargs="?", const="sensenova_decode", default="off",
+                    help="the plugin side's VLLM_OMNI_GRAPHDECODE_FP8 (alone: sensenova_decode, "
+                         "the decode on FP8 weight copies; on or naming sensenova_denoise: the "
+                         "fast denoising with W8A8 GEMMs too): case names end in _fp8")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -375,8 +384,8 @@ def main(argv=None) -> int:
     # The plugin, for a server started with --max-num-seqs ROWS.
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
-                            "off" if args.lm_only else "graph",
-                        "VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode" if args.fp8 else "off"})
+                            "off" if args.lm_only else _denoise_mode(args.fp8),
+                        "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
         od_config=SimpleNamespace(max_num_seqs=rows)))

@@ -59,3 +59,20 @@ def test_answers_agree_with_the_release_and_request0_across_batches(result):
     assert env["think_request0_same_in_every_batch"] == {"batch_sizes": [1, 2], "same": True}
     assert "refused: not CUDA" in env["plugin_summary"]
     assert env["versions"]["torch"]
+
+
+def test_fp8_option_names_rows_and_asks_the_fast_denoising_only_for_its_fp8_gemms():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sensenova_batch as sb
+
+    assert sb._denoise_mode("sensenova_decode") == "graph"
+    assert sb._denoise_mode("on") == "fast"
+    assert sb._denoise_mode("sensenova_decode,sensenova_denoise") == "fast"
+    ours = {"ms": 2.0, "latency_ms": [1.0, 2.0], "answers": []}
+    for fp8, name in (("off", "sensenova_batch_think_t2i_64_n2"),
+                      ("on", "sensenova_batch_think_t2i_64_n2_fp8")):
+        row = sb.request_rows("think", 2, None, ours, SimpleNamespace(size=64, fp8=fp8), rows=2,
+                              eager_ms=4.0)
+        assert row["case"] == name and row["speedup"] == pytest.approx(2.0)
