@@ -33,10 +33,13 @@
 #   scripts/gpu/fp8_session.sh g5   # a fresh machine, 0.26 (.gpu-bundle): the denoising FP8
 #                                   # GPU tests with the bounds measured in g1/g4, and the
 #                                   # compiled FP8 step against its fp32 restatement
+#   scripts/gpu/fp8_session.sh g6   # a fresh machine, 0.26 (.gpu-bundle): FA3's FP8 attention
+#                                   # at Qwen-Image-2.1's shape (probe), then the W8A8 image
+#                                   # against diffusers with SSIM
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: fp8_session.sh f1|f2|f3|f4|f6|f7|g1|g2|g3|g4|g5}
+what=${1:?usage: fp8_session.sh f1|f2|f3|f4|f6|f7|g1|g2|g3|g4|g5|g6}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -125,6 +128,17 @@ case "$what" in
     ;;
   g5)
     suite 240 fp8-denoise-0.26 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8"
+    ;;
+  g6)
+    for unpack in .gpu-bundle*/unpack.py; do python3 "$unpack" >>"$res/unpack.log" 2>&1; done
+    mkdir -p "$res/fp8-attention-0.26" "$res/qwen-image-0.26"
+    PYTHONPATH=$py26 timeout 80 python3 benchmarks/probes/fp8_attention.py \
+      --out "$res/fp8-attention-0.26" >"$res/fp8-attention-0.26/stdout.json" \
+      2>"$res/fp8-attention-0.26/log"
+    echo "fp8-attention-0.26: exit $?" >>"$res/summary.txt"
+    PYTHONPATH=$py26 timeout 150 python3 benchmarks/qwen_image.py --out "$res/qwen-image-0.26" \
+      --modes fast_fp8 --cfg 1 >"$res/qwen-image-0.26/stdout.jsonl" 2>"$res/qwen-image-0.26/log"
+    echo "qwen-image-0.26: exit $?" >>"$res/summary.txt"
     ;;
 esac
 rm -rf "$res"/serve-*-out/*/*.npy 2>/dev/null
