@@ -46,7 +46,8 @@ layers (6.98 GB at the real shape); the bf16 weights stay for the extract step a
 Preconditions (the caller checks them at bind): the step's rows are the target image only, with an
 all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
 ``modulation[:-1]``); no padded text mask; ``structure_problem`` is None. Not covered: padded text
-(key_valid), FA4, FP8 attention. Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
+(key_valid), FA4, FP8 attention (FA3's measured no faster at this shape, 23x the error:
+``benchmarks/probes/fp8_attention.py``). Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
 option) sets per process; past it a call raises ``CompileFailed`` and the exact step runs.
 """
 
