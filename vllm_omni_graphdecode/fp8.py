@@ -305,6 +305,11 @@ class Fp8Linears:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._copies.values())
 
+    def describe(self) -> str:
+        """The load line's clause for these copies."""
+        return (f"FP8 weights for {len(self)} linear layers ({self.nbytes / 1e9:.2f} GB beside "
+                f"the bf16 ones; vLLM Marlin)")
+
     def __len__(self) -> int:
         return len(self._copies)
 

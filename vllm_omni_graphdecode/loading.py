@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.metadata
 import sys
 import threading
 
@@ -40,8 +39,6 @@ HOOK_ERROR = Reason("hook error", "report this with the traceback in the log; th
 logger = stats.logger
 _lock = threading.Lock()
 _patched_classes: set[type] = set()
-
-
 
 
 def check_omni_version(version: str | None) -> str | None:

@@ -30,6 +30,7 @@ def omni_version() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return None
 
+
 SIGNATURE_MOVED = Reason("an upstream method this plugin patches moved",
                          "use a supported vllm-omni / diffusers version (python -m "
                          "vllm_omni_graphdecode doctor lists them)")

@@ -224,10 +224,7 @@ class BatchWiring:
                 f"demand{self._linears_clause()})")
 
     def _linears_clause(self) -> str:
-        if self.linears is None:
-            return ""
-        return (f"; FP8 weights for {len(self.linears)} linear layers "
-                f"({self.linears.nbytes / 1e9:.2f} GB beside the bf16 ones; vLLM Marlin)")
+        return "" if self.linears is None else f"; {self.linears.describe()}"
 
     def release(self) -> None:
         with self.lock:

@@ -122,8 +122,7 @@ class Fusion:
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
         if isinstance(self.gemv, fp8.Fp8Linears):
-            parts.append(f"FP8 weights for {len(self.gemv)} linear layers "
-                         f"({self.gemv.nbytes / 1e9:.2f} GB beside the bf16 ones; vLLM Marlin)")
+            parts.append(self.gemv.describe())
         elif self.gemv is not None:
             parts.append("Inductor GEMVs")
         return parts
