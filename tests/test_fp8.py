@@ -80,3 +80,94 @@ def test_w8a8_copy_goes_with_its_weight():
     assert len(copies) == 1
     del weight  # a layer's weight replaced: its copy is freed with it, not kept for ever
     assert len(copies) == 0
+
+
+# -- the one-row GEMV (fp8_gemv.py), under Triton's CPU interpreter -------------------------------
+
+GEMV_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode import fp8, fp8_gemv
+
+g = torch.Generator().manual_seed(0)
+# (N, K, bias): one even shape, N and K that no block divides, a K shorter than one block step.
+for n, k, with_bias in [(64, 1024, True), (72, 200, False), (40, 96, True)]:
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    copy = fp8_gemv.Fp8GemvWeight(w, bias)
+    x = torch.randn(5, k, generator=g).bfloat16()
+    y = copy(x)
+    assert y.shape == (5, n) and y.dtype == torch.bfloat16
+    want = x.float() @ fp8.dequantize(copy.w8, copy.scale).T
+    if bias is not None:
+        want = want + bias.float()
+    # The products of e4m3 and bf16 values are exact in fp32; what is left is the fp32 sum's
+    # order and the output's one rounding to bf16, which the interpreter truncates (the GPU
+    # rounds to nearest): within one bf16 ulp of the largest output, plus the sum's rounding.
+    err = float((y.float() - want).abs().max())
+    assert err <= 2.0 ** -7 * float(want.abs().max()) + 1e-5, (n, k, err)
+    # A row is computed alone: the same bits in a 1-row and a 5-row call, whatever the others hold.
+    other = x.clone()
+    other[1:] = torch.randn(4, k, generator=g).bfloat16()
+    assert torch.equal(copy(x[:1])[0], y[0]) and torch.equal(copy(other)[0], y[0]), (n, k)
+    # Leading dimensions pass through, and ``out`` is written in place.
+    out = torch.empty(5, n, dtype=torch.bfloat16)
+    assert torch.equal(copy(x.view(1, 5, k)).view(5, n), y)
+    assert copy(x, out=out).data_ptr() == out.data_ptr() and torch.equal(out, y)
+
+# refresh quantises into the same tensors (graphs captured with them keep their addresses).
+w = (torch.randn(64, 512, generator=g) * 0.02).bfloat16()
+copy = fp8_gemv.Fp8GemvWeight(w)
+ptrs = (copy.w8.data_ptr(), copy.scale.data_ptr())
+assert not copy.stale(w, None)
+with torch.no_grad():
+    w.mul_(2.0)
+assert copy.stale(w, None)
+x = torch.randn(1, 512, generator=g).bfloat16()
+before = copy(x)
+copy.refresh(w, None)
+assert (copy.w8.data_ptr(), copy.scale.data_ptr()) == ptrs and not copy.stale(w, None)
+torch.testing.assert_close(copy(x).float(), 2.0 * before.float(), rtol=2.0 ** -7, atol=1e-4)
+print("ok")
+"""
+
+
+def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton_interpreter():
+    """The one-row GEMV's arithmetic, run by Triton's interpreter on CPU tensors (the same kernel
+    source the GPU compiles; its speed and the GPU's rounding are checked in
+    ``tests/test_sensenova_fp8_gpu.py``)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", GEMV_INTERPRETED], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=root, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_fp8_gemv_block_sizes_come_from_the_shape_and_keep_every_sm_streaming():
+    from vllm_omni_graphdecode import fp8_gemv
+
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
+              "down": (4096, 12288)}
+    for name, (n, k) in shapes.items():
+        cfg = fp8_gemv.config_for(n, k)
+        assert cfg == fp8_gemv.config_for(n, k)  # no state, no timing
+        assert n % cfg.block_n == 0 and k % cfg.block_k == 0, name
+        assert n // cfg.block_n >= 4 * 128, (name, cfg)  # ~4 programs per SM of an H200's 132
+    assert fp8_gemv.config_for(40, 96).block_k == 128
+
+
+def test_fp8_one_row_linears_keep_marlin_where_the_gemv_cannot_run():
+    from vllm_omni_graphdecode import fp8_gemv
+
+    why = fp8_gemv.available("cpu")
+    assert why is not None and why.same(fp8.NO_FP8) and "cpu" in why.detail
+    linears = fp8.Fp8Linears("sensenova_u1", one_row=True, device="cpu")
+    assert linears.gemv is False and linears._make is fp8.Fp8Weight
+    assert fp8.Fp8Linears("sensenova_u1")._make is fp8.Fp8Weight

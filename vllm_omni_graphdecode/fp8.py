@@ -273,14 +273,25 @@ class Fp8Linears:
     """The step's linear layers through FP8 copies: what ``fused_step.Fusion`` calls in place of
     the modules' own GEMMs (``gemv.Gemv``'s interface). ``model``: the stats key's model.
 
+    ``one_row``: the copies serve a one-row step only (no batched step in this process), so they
+    are laid out for the one-row GEMV (``fp8_gemv``: faster than Marlin at one row) where the
+    GPU runs it; else, and for the batched step's 16 rows, Marlin's layout. One layout per
+    process: the two would cost the copies' bytes twice.
+
     ``quantize(modules)`` makes the copies at load; a call for a layer that cannot use one (a LoRA
     wrapper with an active adapter, a quantised or hooked layer) runs the module itself, counted
     under ``LAYER_KEPT``. Inside a graph that decision is taken once, at capture."""
 
-    name = "FP8 weights (vLLM Marlin W8A16)"
-
-    def __init__(self, model: str):
+    def __init__(self, model: str, one_row: bool = False, device="cuda"):
         self.model = model
+        self.gemv = False
+        if one_row:
+            from . import fp8_gemv
+
+            self.gemv = fp8_gemv.available(device) is None
+            self._make = fp8_gemv.Fp8GemvWeight if self.gemv else Fp8Weight
+        else:
+            self._make = Fp8Weight
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
 
@@ -289,7 +300,7 @@ class Fp8Linears:
         kept = []
         for name, module in modules.items():
             if gemv.Gemv.plain(module):
-                self._copies[module] = Fp8Weight(module.weight, module.bias)
+                self._copies[module] = self._make(module.weight, module.bias)
                 self._covered.add(module)
             else:
                 kept.append(name)
@@ -307,8 +318,9 @@ class Fp8Linears:
 
     def describe(self) -> str:
         """The load line's clause for these copies."""
+        kernel = "the plugin's one-row FP8 GEMV" if self.gemv else "vLLM Marlin"
         return (f"FP8 weights for {len(self)} linear layers ({self.nbytes / 1e9:.2f} GB beside "
-                f"the bf16 ones; vLLM Marlin)")
+                f"the bf16 ones; {kernel})")
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -319,7 +331,7 @@ class Fp8Linears:
             return None
         copy = self._copies.get(base)
         if copy is None:  # released since
-            copy = self._copies[base] = Fp8Weight(base.weight, base.bias)
+            copy = self._copies[base] = self._make(base.weight, base.bias)
         elif copy.stale(base.weight, base.bias):
             copy.refresh(base.weight, base.bias)
         return copy

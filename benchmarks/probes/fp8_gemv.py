@@ -12,7 +12,10 @@ per candidate and row count, each layer its own weight (so L2 never serves one):
                   registers, one tensor-core tile of 16 rows; fixed block sizes (``config_for``,
                   or --sweep's best)
   marlin_w8a16    vLLM's Marlin FP8 weight-only GEMM (``apply_fp8_marlin_linear``) through the
-                  plugin's ``fp8.Fp8Weight``: what the plugin runs
+                  plugin's ``fp8.Fp8Weight``: what the plugin's batched step runs
+  plugin_gemv     the plugin's one-row GEMV (``vllm_omni_graphdecode.fp8_gemv``, hand-written,
+                  block sizes from the shape alone): what its one-request step runs; at 8 and
+                  16 rows it reads the weights once per row (shown, not used there)
   cutlass_w8a8    vLLM's ``scaled_fp8_quant`` (dynamic per-token activation scale) +
                   ``cutlass_scaled_mm`` (what ``--quantization fp8`` runs)
   scaled_mm_w8a8  the same activation quantisation + ``torch._scaled_mm`` (row-wise scales)
@@ -22,7 +25,8 @@ layer of each shape against the bf16 F.linear output, ||y - y_bf16|| / ||y_bf16|
 weights (std 0.02) and inputs (std 1); ``kernel_vs_reference``: the Triton kernel against its
 fp32 restatement (``fp8.reference``); ``row_invariant``: row 0 of a 16-row call equals the
 1-row call bit for bit. --sweep times every block-size candidate per shape at 1 and 16 rows
-before the chain and uses the best (lowest sum of the two). Prints the JSON document and writes
+before the chain and uses the best (lowest sum of the two). --gemv-sweep times the plugin GEMV's
+block sizes per shape at one row (``gemv_sweep``; the chain keeps ``config_for``'s). Prints the JSON document and writes
 it to DIR/fp8-gemv.json.
 """
 
@@ -43,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import capture_graph, environment, time_ms  # noqa: E402
 
-from vllm_omni_graphdecode import fp8  # noqa: E402
+from vllm_omni_graphdecode import fp8, fp8_gemv  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936
 SHAPES = {
@@ -252,12 +256,48 @@ def sweep(layers: int, rows_list) -> dict:
     return best, table
 
 
+GEMV_SWEEP = [fp8_gemv.KernelConfig(bn, bk, w, st)
+              for bn in (4, 8, 16, 32) for bk in (256, 512, 1024)
+              for (w, st) in ((4, 1), (8, 1), (4, 3))]
+
+
+def gemv_sweep(layers: int) -> dict:
+    """The plugin GEMV's block sizes at one row, per shape: us per layer (a chain of ``layers``
+    copies of the shape as one graph), against ``config_for``'s pick and the byte floor."""
+    table = {}
+    for name, (n, k) in SHAPES.items():
+        ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+              for _ in range(layers)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        rows = []
+        for cfg in GEMV_SWEEP:
+            entry = {"config": dataclasses.asdict(cfg)}
+            try:
+                entry["us"] = round(graph_ms(
+                    lambda: [fp8_gemv.gemv(x, w8, s, None, cfg) for w8, s in ws]) * 1000 / layers, 2)
+            except Exception as exc:  # noqa: BLE001 - reported
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(entry)
+        ok = [r for r in rows if "error" not in r]
+        chosen = dataclasses.asdict(fp8_gemv.config_for(n, k))
+        table[name] = {
+            "best": min(ok, key=lambda r: r["us"]) if ok else None,
+            "config_for": next((r for r in rows if r["config"] == chosen), chosen),
+            "floor_us": round(n * k / 4.28e12 * 1e6, 2), "all": rows}
+        log(name, table[name]["best"], table[name]["config_for"])
+        del ws
+        torch.cuda.empty_cache()
+    return table
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,8,16")
     ap.add_argument("--layers", type=int, default=42)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--gemv-sweep", action="store_true",
+                    help="time the plugin GEMV's block sizes per shape at one row first")
     ap.add_argument("--lm-head-only", action="store_true",
                     help="only lm_head, both ways (bf16, the Triton kernel, Marlin)")
     args = ap.parse_args(argv)
@@ -277,6 +317,10 @@ def main(argv=None) -> int:
         for name, cfg in best.items():
             CONFIGS[SHAPES[name]] = cfg
         doc["sweep_s"] = round(time.monotonic() - t0, 1)
+    if args.gemv_sweep:
+        t1 = time.monotonic()
+        doc["gemv_sweep"] = gemv_sweep(args.layers)
+        doc["gemv_sweep_s"] = round(time.monotonic() - t1, 1)
     doc["configs"] = {name: dataclasses.asdict(config_for(n, k))
                       for name, (n, k) in SHAPES.items()}
 
@@ -284,6 +328,7 @@ def main(argv=None) -> int:
     bf16 = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(args.layers)] for name, (n, k) in SHAPES.items()}
     q = {name: [TritonWeight.from_weight(w) for w in ws] for name, ws in bf16.items()}
+    gv = {name: [fp8_gemv.Fp8GemvWeight(w) for w in ws] for name, ws in bf16.items()}
     marlin, mar = fp8.available("cuda"), None
     if marlin is None:
         try:  # the plugin's own copies (fp8.Fp8Weight), from the same bf16 weights
@@ -299,6 +344,7 @@ def main(argv=None) -> int:
     candidates = {
         "cublas_bf16": lambda x, name, i: F.linear(x, bf16[name][i]),
         "triton_w8a16": lambda x, name, i: triton_linear(x, q[name][i]),
+        "plugin_gemv": lambda x, name, i: gv[name][i](x),
     }
     if mar is not None:
         candidates["marlin_w8a16"] = lambda x, name, i: mar[name][i](x)
@@ -336,13 +382,20 @@ def main(argv=None) -> int:
                 one = triton_linear(xs[name][:1], q[name][0])
                 many = triton_linear(xs[name], q[name][0])
                 accuracy.setdefault("row_invariant", {})[name] = bool(torch.equal(one[0], many[0]))
+                g = gv[name][0]
+                y = g(xs[name]).float()
+                r = fp8_gemv.reference(xs[name], g.w8, g.scale, g.bias).float()
+                accuracy.setdefault("plugin_gemv_vs_reference", {})[name] = round(
+                    float((y - r).norm() / r.norm()), 6)
+                accuracy.setdefault("plugin_gemv_row_invariant", {})[name] = bool(
+                    torch.equal(g(xs[name][:1])[0], g(xs[name])[0]))
     floor_bytes = sum(n * k for n, k in SHAPES.values()) * args.layers
     doc["chain"] = chain
     doc["rel_err"] = accuracy
     doc["floor_ms"] = {"bf16": round(floor_bytes * 2 / 4.28e12 * 1e3, 3),
                        "fp8": round(floor_bytes / 4.28e12 * 1e3, 3),
                        "note": "weight bytes over 4.28 TB/s (FACTS: the H200's copy bandwidth)"}
-    bf16 = q = mar = None  # the chain's weights, freed before lm_head's
+    bf16 = q = mar = gv = None  # the chain's weights, freed before lm_head's
     torch.cuda.empty_cache()
     doc["lm_head"] = lm_head(rows_list)
     return _write(doc, args.out, t0)
@@ -350,12 +403,13 @@ def main(argv=None) -> int:
 
 def lm_head(rows_list) -> dict:
     """lm_head (151,936 x 4,096), both ways: bf16 ``F.linear``, the hand-written Triton kernel
-    (``fp8_ms``) and Marlin (``marlin_ms``, what the plugin would run), 3 copies so L2 does not
+    (``fp8_ms``), the plugin's one-row GEMV (``plugin_gemv_ms``) and Marlin (``marlin_ms``, what the plugin would run), 3 copies so L2 does not
     serve one; argmax agreement with bf16 over the rows (random weights)."""
     heads = [torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
              for _ in range(3)]
     qh = [TritonWeight.from_weight(w) for w in heads]
     mh = [fp8.Fp8Weight(w) for w in heads] if fp8.available("cuda") is None else None
+    gh = [fp8_gemv.Fp8GemvWeight(w) for w in heads]
     lm = {}
     for m in rows_list:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -364,6 +418,7 @@ def lm_head(rows_list) -> dict:
         ref = F.linear(x, heads[0]).float()
         y = triton_linear(x, qh[0]).float()
         lm[f"argmax_agree_m{m}"] = float((y.argmax(-1) == ref.argmax(-1)).float().mean())
+        lm[f"plugin_gemv_ms_m{m}"] = round(graph_ms(lambda: [w(x) for w in gh]) / 3, 4)
         if mh is not None:
             lm[f"marlin_ms_m{m}"] = round(graph_ms(lambda: [w(x) for w in mh]) / 3, 4)
             y = mh[0](x).float()
@@ -378,7 +433,6 @@ def _write(doc: dict, out: str, t0: float) -> int:
     with open(os.path.join(out, "fp8-gemv.json"), "w") as f:
         f.write(text)
     print(text)
-    return 0
     return 0
 
 

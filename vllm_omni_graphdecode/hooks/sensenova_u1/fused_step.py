@@ -149,13 +149,14 @@ class Fusion:
                                       self.projection(attn.qkv_proj))
 
 
-def fp8_linears(language_model, device, model: str):
+def fp8_linears(language_model, device, model: str, one_row: bool = False):
     """``(fp8.Fp8Linears or None, why not / what stays bf16)``: e4m3 copies of every decoder
-    layer's qkv, o, gate-up and down projections (what a decode step reads), made now."""
+    layer's qkv, o, gate-up and down projections (what a decode step reads), made now.
+    ``one_row``: only the one-request step reads them (``fp8.Fp8Linears``)."""
     why = fp8.available(device)
     if why is not None:
         return None, [why]
-    linears = fp8.Fp8Linears(model)
+    linears = fp8.Fp8Linears(model, one_row=one_row, device=device)
     modules = {}
     attns = layouts.attention_modules(language_model)
     for i, (layer, attn) in enumerate(zip(language_model.model.layers, attns)):

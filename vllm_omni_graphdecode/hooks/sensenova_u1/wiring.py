@@ -183,7 +183,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         kernel = kernels.select_kernel(device, attn.head_dim, cfg.fa_version)
     if graphs is None:
         graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
-    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step, use_fp8)
+    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step, use_fp8,
+                                      rows)
     if off and isinstance(kernel, kernels.Kernel):
         from .fused_step import UNFUSED
 
@@ -285,9 +286,11 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
     return clause
 
 
-def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = False):
+def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = False,
+                rows: int = 1):
     """(fusion or None, K/V writer or None, why each missing part is off). ``use_fp8``: the
-    linear layers read e4m3 copies (``fused_step.fp8_linears``), each reason it cannot (or a
+    linear layers read e4m3 copies (``fused_step.fp8_linears``; laid out for the one-row GEMV
+    when ``rows`` is 1, for the batched step's Marlin otherwise), each reason it cannot (or a
     layer cannot) counted as a degraded path."""
     off: list[str] = []
     fusion = None
@@ -299,7 +302,7 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
 
         linears = None
         if use_fp8:
-            linears, why = fp8_linears(lm, device, MODEL)
+            linears, why = fp8_linears(lm, device, MODEL, one_row=rows == 1)
             for reason in why:
                 stats.degraded(MODEL, reason)
         fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned",

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU runs of one session (issue #23: the one-row FP8 GEMV; issue #22: eight think requests
+# with FP8 on vllm-omni 0.30), one machine, four device calls in a row, results packed into
+# $OUT/results-WHAT.tgz:
+#
+#   scripts/gpu/gemv_session.sh h1   # 0.26 stack (.gpu-bundle): the FP8 kernels probe with the
+#                                    # GEMV's block-size sweep, then the FP8 decode GPU tests
+#   scripts/gpu/gemv_session.sh h2   # .gpu-bundle-2 arrives; the pre-capture GPU tests (their
+#                                    # load line, measured from an emptied allocator since 1e8bf8a)
+#   scripts/gpu/gemv_session.sh h3   # .gpu-bundle-3: the 0.30 stack; eight think text-to-image
+#                                    # requests, the release one at a time against the plugin's
+#                                    # batch with FP8 on (decode and denoising)
+#   scripts/gpu/gemv_session.sh h4   # (warm) 0.30: the decode step at context 2048, in-tree
+#                                    # against bf16 and FP8 (the GEMV); the denoising FP8 test
+#
+# Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
+set -uo pipefail
+what=${1:?usage: gemv_session.sh h1|h2|h3|h4}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$here"
+res=/tmp/res-$what
+mkdir -p "$res"
+export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
+git log -1 --format='%H %s' >"$res/commit.txt" 2>/dev/null || true
+nvidia-smi >"$res/nvidia-smi.txt" 2>&1
+suite() {  # suite LIMIT DIR TESTS [pytest args...]
+  local limit=$1 dir=$2 tests=$3; shift 3
+  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
+    >"$res/$dir.out" 2>&1
+  echo "$dir: exit $?" >>"$res/summary.txt"
+}
+py26="$here:/tmp/site-project:/tmp/site"
+py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
+unpack() {
+  for u in .gpu-bundle*/unpack.py; do python3 "$u" >>"$res/unpack.log" 2>&1; done
+}
+case "$what" in
+  h1)
+    unpack
+    mkdir -p "$res/fp8-probe-0.26"
+    PYTHONPATH=$py26 timeout 200 python3 benchmarks/probes/fp8_gemv.py --out "$res/fp8-probe-0.26" \
+      --gemv-sweep >"$res/fp8-probe-0.26/stdout.json" 2>"$res/fp8-probe-0.26/log"
+    echo "fp8-probe-0.26: exit $?" >>"$res/summary.txt"
+    suite 300 fp8-tests-0.26 tests/test_sensenova_fp8_gpu.py -q -rfE -s
+    ;;
+  h2)
+    unpack
+    suite 200 precapture-0.26 tests/test_sensenova_gpu.py -q -rfE -s -k "precapture or pre_captured"
+    ;;
+  h3)
+    export STACK=0.30
+    unpack
+    mkdir -p "$res/batch-fp8-0.30"
+    PYTHONPATH=$py30 timeout 560 python3 benchmarks/sensenova_batch.py --out "$res/batch-fp8-0.30" \
+      --cases think --n 8 --think-ns "" --fp8 on --budget-s 500 >"$res/batch-fp8-0.30/log" 2>&1
+    echo "batch-fp8-0.30: exit $?" >>"$res/summary.txt"
+    ;;
+  h4)
+    export STACK=0.30
+    mkdir -p "$res/decode-0.30"
+    PYTHONPATH=$py30 timeout 300 python3 benchmarks/bench.py --out "$res/decode-0.30" \
+      --cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --contexts 2048 \
+      >"$res/decode-0.30/stdout.json" 2>"$res/decode-0.30/log"
+    echo "decode-0.30: exit $?" >>"$res/summary.txt"
+    suite 200 fp8-denoise-0.30 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8"
+    ;;
+esac
+tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
+cat "$res/summary.txt"

@@ -1,0 +1,200 @@
+"""FP8 (e4m3) weight GEMV for a decode step of one row: HAND-WRITTEN Triton, because the
+libraries measured short of the bytes at one row.
+
+Why: at one token a linear layer must read its weight once, so with e4m3 weights the 168
+layers of SenseNova-U1's decode step read 8.1 GB, 1.89 ms at the H200's 4.28 TB/s. The
+libraries at one row, the 168 layers as one graph (``benchmarks/probes/fp8_gemv.py``,
+``benchmarks/results/h200-2026-12-01f/fp8-probe-0.26``): vLLM's Marlin W8A16 3.31 ms (1.75x the
+floor), CUTLASS W8A8 3.09 (activations quantised too), ``torch._scaled_mm`` 5.02. Marlin and
+CUTLASS are tensor-core GEMMs that pad one row to a tile; a GEMV needs no tile. This kernel is the
+plain one: each program owns ``BLOCK_N`` output channels of one row, streams their e4m3 weight
+rows ``BLOCK_K`` bytes at a time, widens them to fp32 in registers against the bf16 activations,
+and reduces once at the end; the per-channel scale and the bias are applied in fp32 before the
+one bf16 rounding. Its chain time against Marlin's is in ``fp8_gemv.json``'s ``plugin_gemv`` row
+(docs/performance.md).
+
+What it guarantees:
+
+* Fixed order. The block sizes come from the weight's shape alone (``config_for``, no timing
+  at load), and each output is one program's fp32 sum in a fixed order: every process rounds a
+  request the same way (issue #22's lesson from Inductor's timed tuning).
+* Rows do not mix. Rows are a grid dimension, so row ``m`` of an ``M``-row call is computed by
+  the same program as a one-row call, bit for bit. More rows read the weight again per row
+  (through L2 when their programs run together): it is a one-row kernel, and the batched step's
+  16 rows stay on Marlin (``fp8.Fp8Linears``).
+
+The copy is the plain ``fp8.quantize_rows`` layout ([N, K] e4m3, one fp32 scale per output
+channel), so it serves tests and ``fp8.dequantize`` as it is. Triton's interpreter
+(``TRITON_INTERPRET=1`` before Triton is imported) runs the same kernel on CPU tensors: the CPU
+tests check it there. Needs FP8 conversions in hardware (compute capability 8.9: Ada, Hopper);
+older GPUs keep Marlin (``available``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import fp8
+from .reasons import Reason
+
+
+def available(device) -> Reason | None:
+    """Why the one-row GEMV cannot run on ``device`` (Marlin then serves one row too), or None."""
+    device = torch.device(device)
+    if device.type != "cuda" or fp8.FP8_DTYPE is None:
+        return fp8.NO_FP8.because(f"device is {device}, torch {torch.__version__}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return fp8.NO_FP8.because(f"compute capability {major}.{minor}: Triton converts e4m3 in "
+                                  "hardware from 8.9 on")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return fp8.NO_FP8.because(f"triton not importable ({exc})")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_n: int  # output channels a program owns
+    block_k: int  # weight bytes a program reads per row and loop step
+    num_warps: int
+    num_stages: int = 1
+
+
+def config_for(n: int, k: int) -> KernelConfig:
+    """The block sizes for an [n, k] weight, from its shape alone. Enough programs to keep every
+    SM streaming (at least ~4 per SM of the H200's 132 for SenseNova-U1's shapes: 512 for
+    n = 4,096, 1,536 for n = 24,576), 512-byte rows per step (16 bytes a thread)."""
+    block_n = 8 if n <= 8192 else 16
+    block_k = 512 if k >= 512 else max(16, 1 << (k - 1).bit_length())
+    return KernelConfig(block_n=block_n, block_k=block_k, num_warps=4)
+
+
+class Fp8GemvWeight:
+    """One linear layer's e4m3 copy for the one-row GEMV. ``__call__(x)``: ``x @ W.T + bias`` for
+    ``x`` [..., K] bf16 (any number of rows, each computed as alone), one kernel launch. The same
+    interface as ``fp8.Fp8Weight`` (``stale``, ``refresh``, ``nbytes``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: KernelConfig | None = None):
+        self.n, self.k = weight.shape
+        self.w8, self.scale = fp8.quantize_rows(weight.detach())
+        self.bias = None if bias is None else bias.detach().clone()
+        self.config = config or config_for(self.n, self.k)
+        self._source = fp8._version(weight), fp8._version(bias)
+
+    def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether the layer's weight or bias was replaced or written since this copy."""
+        return self._source != (fp8._version(weight), fp8._version(bias))
+
+    def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Quantise ``weight`` again into this copy's own tensors (graphs captured with them
+        keep valid addresses)."""
+        with torch.no_grad():
+            w8, scale = fp8.quantize_rows(weight.detach())
+            self.w8.copy_(w8)
+            self.scale.copy_(scale)
+            if self.bias is not None and bias is not None:
+                self.bias.copy_(bias)
+        self._source = fp8._version(weight), fp8._version(bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.w8, self.scale, self.bias) if t is not None)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv(x, self.w8, self.scale, self.bias, self.config, out)
+
+
+def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+         config: KernelConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w8 * scale[:, None]).T + bias``.
+
+    x: [..., K] bf16 or fp16 (rows with unit stride); w8: [N, K] float8_e4m3fn, row-major;
+    scale: [N] float32; bias: [N] or None; returns [..., N] in ``x``'s dtype (``out``: [M, N]
+    to write into)."""
+    n, k = w8.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    cfg = config or config_for(n, k)
+    grid = (triton_cdiv(n, cfg.block_n), m)
+    _kernel()[grid](
+        x2, w8, scale, bias if bias is not None else scale, out, n, k,
+        x2.stride(0), w8.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``gemv`` computes, in fp32 from the same e4m3 values (the sum order differs)."""
+    out = x.reshape(-1, x.shape[-1]).float() @ fp8.dequantize(w8, scale).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, defined on first use (importing this module needs no Triton)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn,
+                 stride_om, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): program (pid_n, m). The
+        # [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and are summed once
+        # at the end, so a row's order depends on the block sizes only.
+        pid_n = tl.program_id(0)
+        row = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + row * stride_xm + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                if EVEN_N:
+                    w = tl.load(w_ptrs, eviction_policy="evict_first")
+                else:
+                    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0,
+                                eviction_policy="evict_first")
+            else:
+                k_mask = start + offs_k < K
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
+                 mask=n_mask)
+
+    _KERNEL = fp8_gemv
+    return fp8_gemv
