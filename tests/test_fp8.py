@@ -114,6 +114,25 @@ for n, k, with_bias in [(64, 1024, True), (72, 200, False), (40, 96, True)]:
     assert torch.equal(copy(x.view(1, 5, k)).view(5, n), y)
     assert copy(x, out=out).data_ptr() == out.data_ptr() and torch.equal(out, y)
 
+# The MLP tail: residual + down(silu(gate) * up) in one launch, as the three steps compute it.
+n, k = 48, 320
+w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+bias = torch.randn(n, generator=g).bfloat16()
+copy = fp8_gemv.Fp8GemvWeight(w, bias)
+gate_up = torch.randn(1, 3, 2 * k, generator=g).bfloat16()
+residual = torch.randn(1, 3, n, generator=g).bfloat16()
+fused = copy.mlp_tail(gate_up, residual)
+assert fused.shape == (1, 3, n)
+gate, up = gate_up[..., :k].float(), gate_up[..., k:].float()
+act = (gate * torch.sigmoid(gate) * up).bfloat16()
+three = (residual.float() + copy(act).float()).bfloat16()
+want = fp8_gemv.reference(gate_up, copy.w8, copy.scale, bias, silu_mul=True, residual=residual)
+# Within one bf16 ulp of the largest output (the interpreter truncates where the GPU rounds).
+scale = float(three.float().abs().max())
+assert float((fused.float() - three.float()).abs().max()) <= 2.0 ** -7 * scale * 2, "three steps"
+assert float((fused.float() - want.float()).abs().max()) <= 2.0 ** -7 * scale * 2, "reference"
+assert torch.equal(copy.mlp_tail(gate_up[:, 1:2], residual[:, 1:2]), fused[:, 1:2])
+
 # refresh quantises into the same tensors (graphs captured with them keep their addresses).
 w = (torch.randn(64, 512, generator=g) * 0.02).bfloat16()
 copy = fp8_gemv.Fp8GemvWeight(w)
@@ -150,16 +169,21 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
-def test_fp8_gemv_block_sizes_come_from_the_shape_and_keep_every_sm_streaming():
+def test_fp8_gemv_block_sizes_come_from_the_shape_alone():
+    """SenseNova-U1's shapes take the measured table's block sizes, which divide them evenly;
+    another shape takes the rule's, with enough programs to keep every SM streaming."""
     from vllm_omni_graphdecode import fp8_gemv
 
     shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
               "down": (4096, 12288)}
     for name, (n, k) in shapes.items():
         cfg = fp8_gemv.config_for(n, k)
-        assert cfg == fp8_gemv.config_for(n, k)  # no state, no timing
+        assert cfg is fp8_gemv.MEASURED[(n, k)] and cfg == fp8_gemv.config_for(n, k), name
         assert n % cfg.block_n == 0 and k % cfg.block_k == 0, name
-        assert n // cfg.block_n >= 4 * 128, (name, cfg)  # ~4 programs per SM of an H200's 132
+    for n, k in ((5120, 5120), (13824, 5120), (4096, 11008)):
+        cfg = fp8_gemv.config_for(n, k)
+        assert (n, k) not in fp8_gemv.MEASURED and n % cfg.block_n == 0, (n, k)
+        assert n // cfg.block_n >= 4 * 128, (n, k, cfg)  # ~4 programs per SM of an H200's 132
     assert fp8_gemv.config_for(40, 96).block_k == 128
 
 

@@ -345,4 +345,11 @@ class Fp8Linears:
         return copy(x)
 
     def mlp_tail(self, module, gate_up, residual):
-        return None  # the caller runs SiLU-and-multiply, the down projection and the add
+        """``residual + down_proj(silu(gate) * up)`` as one launch of the one-row GEMV; None
+        for Marlin's copies or a layer without a copy (the caller runs the three steps)."""
+        if not self.gemv:
+            return None
+        copy = self._copy_for(module)
+        if copy is None:
+            return None
+        return copy.mlp_tail(gate_up, residual)

@@ -64,10 +64,24 @@ class KernelConfig:
     num_stages: int = 1
 
 
+# SenseNova-U1's decode shapes (N, K) -> the fastest block sizes of a sweep at one row on the
+# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-0.26, us per
+# layer: best / the shape rule below / byte floor). Fixed here, never re-timed at load.
+MEASURED = {
+    (6144, 4096): KernelConfig(block_n=16, block_k=512, num_warps=8),    # qkv 8.69 / 9.58 / 5.88
+    (4096, 4096): KernelConfig(block_n=8, block_k=1024, num_warps=4),    # o 6.71 / 8.36 / 3.92
+    (24576, 4096): KernelConfig(block_n=32, block_k=512, num_warps=8),   # gate_up 27.62 / 28.03 / 23.52
+    (4096, 12288): KernelConfig(block_n=8, block_k=1024, num_warps=4),   # down 14.87 / 20.73 / 11.76
+}
+
+
 def config_for(n: int, k: int) -> KernelConfig:
-    """The block sizes for an [n, k] weight, from its shape alone. Enough programs to keep every
-    SM streaming (at least ~4 per SM of the H200's 132 for SenseNova-U1's shapes: 512 for
-    n = 4,096, 1,536 for n = 24,576), 512-byte rows per step (16 bytes a thread)."""
+    """The block sizes for an [n, k] weight, from its shape alone: the measured table, else a
+    rule: enough programs to keep every SM streaming (~4 per SM of the H200's 132 at n = 4,096),
+    512-byte rows per step (16 bytes a thread)."""
+    found = MEASURED.get((n, k))
+    if found is not None:
+        return found
     block_n = 8 if n <= 8192 else 16
     block_k = 512 if k >= 512 else max(16, 1 << (k - 1).bit_length())
     return KernelConfig(block_n=block_n, block_k=block_k, num_warps=4)
@@ -109,39 +123,64 @@ class Fp8GemvWeight:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return gemv(x, self.w8, self.scale, self.bias, self.config, out)
 
+    def mlp_tail(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(silu(gate) * up)`` for ``gate_up`` [..., 2K] as one launch: the
+        down projection of a SwiGLU MLP with the step's SiLU-and-multiply and residual add."""
+        return gemv(gate_up, self.w8, self.scale, self.bias, self.config, silu_mul=True,
+                    residual=residual)
+
 
 def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-         config: KernelConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (w8 * scale[:, None]).T + bias``.
+         config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
+         silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual.
 
-    x: [..., K] bf16 or fp16 (rows with unit stride); w8: [N, K] float8_e4m3fn, row-major;
-    scale: [N] float32; bias: [N] or None; returns [..., N] in ``x``'s dtype (``out``: [M, N]
-    to write into)."""
+    x: [..., K] bf16 or fp16 (rows with unit stride); with ``silu_mul`` [..., 2K], gate then up,
+    and the input is ``silu(gate) * up`` rounded to x's dtype (as vLLM's ``silu_and_mul`` gives
+    it). w8: [N, K] float8_e4m3fn, row-major; scale: [N] float32; bias: [N] or None; residual:
+    [..., N] or None, added to the product rounded to x's dtype (as ``residual + out`` adds).
+    Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
     n, k = w8.shape
-    x2 = x.reshape(-1, k)
+    width = 2 * k if silu_mul else k
+    x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    res = None
+    if residual is not None:
+        res = residual.reshape(m, n)
+        if res.stride(-1) != 1:
+            res = res.contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
     grid = (triton_cdiv(n, cfg.block_n), m)
     _kernel()[grid](
-        x2, w8, scale, bias if bias is not None else scale, out, n, k,
-        x2.stride(0), w8.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
+        out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)
 
 
 def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, *, silu_mul: bool = False,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """What ``gemv`` computes, in fp32 from the same e4m3 values (the sum order differs)."""
+    if silu_mul:
+        half = x.shape[-1] // 2
+        gate, up = x[..., :half].float(), x[..., half:].float()
+        x = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
     out = x.reshape(-1, x.shape[-1]).float() @ fp8.dequantize(w8, scale).T
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+    out = out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
+    if residual is not None:
+        out = (residual.float() + out.float()).to(x.dtype)
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -160,12 +199,13 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_xm, stride_wn,
-                 stride_om, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): program (pid_n, m). The
-        # [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and are summed once
-        # at the end, so a row's order depends on the block sizes only.
+    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
+                 stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
+        # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
+        # are summed once at the end, so a row's order depends on the block sizes only.
         pid_n = tl.program_id(0)
         row = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -177,6 +217,8 @@ def _kernel():
         for start in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
+                if SILU_MUL:
+                    up = tl.load(x_ptrs + K)
                 if EVEN_N:
                     w = tl.load(w_ptrs, eviction_policy="evict_first")
                 else:
@@ -185,16 +227,24 @@ def _kernel():
             else:
                 k_mask = start + offs_k < K
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+                if SILU_MUL:
+                    up = tl.load(x_ptrs + K, mask=k_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                             eviction_policy="evict_first")
+            if SILU_MUL:  # the input vLLM's silu_and_mul would have written, in x's dtype
+                gate = x.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
-                 mask=n_mask)
+        out = out.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # residual + out as two bf16 tensors add: one more rounding
+            res = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_mask, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
 
     _KERNEL = fp8_gemv
     return fp8_gemv

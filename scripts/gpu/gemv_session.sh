@@ -13,9 +13,18 @@
 #   scripts/gpu/gemv_session.sh h4   # (warm) 0.30: the decode step at context 2048, in-tree
 #                                    # against bf16 and FP8 (the GEMV); the denoising FP8 test
 #
+# Then, with the sweep's block sizes in fp8_gemv.MEASURED and the MLP tail fused (a second
+# machine, three calls in a row):
+#
+#   scripts/gpu/gemv_session.sh i1   # 0.26 (.gpu-bundle): the FP8 decode GPU tests, the probe's
+#                                    # chain at one row, the decode step bf16 against FP8
+#   scripts/gpu/gemv_session.sh i2   # .gpu-bundle-2 arrives (unpacked)
+#   scripts/gpu/gemv_session.sh i3   # .gpu-bundle-3: 0.30; the decode step at context 2048,
+#                                    # in-tree against bf16 and FP8; the FP8 decode GPU tests
+#
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: gemv_session.sh h1|h2|h3|h4}
+what=${1:?usage: gemv_session.sh h1|h2|h3|h4|i1|i2|i3}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -63,6 +72,32 @@ case "$what" in
       >"$res/decode-0.30/stdout.json" 2>"$res/decode-0.30/log"
     echo "decode-0.30: exit $?" >>"$res/summary.txt"
     suite 200 fp8-denoise-0.30 tests/test_sensenova_denoise_gpu.py -q -rfE -s -k "fp8"
+    ;;
+  i1)
+    unpack
+    suite 200 fp8-tests-0.26 tests/test_sensenova_fp8_gpu.py -q -rfE -s
+    mkdir -p "$res/fp8-probe-0.26"
+    PYTHONPATH=$py26 timeout 120 python3 benchmarks/probes/fp8_gemv.py --out "$res/fp8-probe-0.26" \
+      --rows 1 >"$res/fp8-probe-0.26/stdout.json" 2>"$res/fp8-probe-0.26/log"
+    echo "fp8-probe-0.26: exit $?" >>"$res/summary.txt"
+    mkdir -p "$res/decode-0.26"
+    PYTHONPATH=$py26 timeout 200 python3 benchmarks/bench.py --out "$res/decode-0.26" \
+      --cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --contexts 2048 \
+      >"$res/decode-0.26/stdout.json" 2>"$res/decode-0.26/log"
+    echo "decode-0.26: exit $?" >>"$res/summary.txt"
+    ;;
+  i2)
+    unpack
+    ;;
+  i3)
+    export STACK=0.30
+    unpack
+    mkdir -p "$res/decode-0.30"
+    PYTHONPATH=$py30 timeout 330 python3 benchmarks/bench.py --out "$res/decode-0.30" \
+      --cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --contexts 2048 \
+      >"$res/decode-0.30/stdout.json" 2>"$res/decode-0.30/log"
+    echo "decode-0.30: exit $?" >>"$res/summary.txt"
+    suite 200 fp8-tests-0.30 tests/test_sensenova_fp8_gpu.py -q -rfE -s
     ;;
 esac
 tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
