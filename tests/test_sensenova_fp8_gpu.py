@@ -92,12 +92,12 @@ def test_gpu_fp8_copy_computes_its_dequantised_weight_and_rows_do_not_mix(gpu, k
                 # The MLP tail in one launch against its three steps (vLLM's silu_and_mul, the
                 # GEMV, the add): the same roundings up to SiLU's exp, whose last-bit differences
                 # move a product by a bf16 ulp or two at most.
-                from vllm import _custom_ops as ops
+                import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
 
                 gate_up = torch.randn(16, 2 * w.shape[1], device="cuda", dtype=torch.bfloat16)
                 residual = torch.randn(16, w.shape[0], device="cuda", dtype=torch.bfloat16)
                 act = torch.empty_like(gate_up[:, :w.shape[1]])
-                ops.silu_and_mul(act, gate_up)
+                torch.ops._C.silu_and_mul(act, gate_up)
                 three = residual + copy(act)
                 assert _relative(copy.mlp_tail(gate_up, residual), three) <= 2 ** -6, tuple(w.shape)
 
