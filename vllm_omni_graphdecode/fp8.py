@@ -1,5 +1,6 @@
-"""FP8 (e4m3) copies of a hot path's linear weights (no model): weight-only through vLLM's Marlin
-GEMM for decode steps of 1-16 rows, and W8A8 (``w8a8_linear``) for the many-row GEMMs of a
+"""FP8 (e4m3) copies of a hot path's linear weights (no model): weight-only for decode steps,
+through vLLM's Marlin GEMM at 1-16 rows (the batched step) or the plugin's one-row GEMV
+(``fp8_gemv.py``, the one-request step), and W8A8 (``w8a8_linear``) for the many-row GEMMs of a
 denoising step.
 
 Decode (``Fp8Weight``, ``Fp8Linears``).
@@ -15,9 +16,13 @@ weights they read half. Measured there, the same chain as one graph at 1 / 8 / 1
     torch._scaled_mm W8A8, the same inputs          5.02 / 5.01 / 4.86   (3.74%)
     a hand-written Triton W8A16 (tensor-core tile)  5.15 / 5.85 / 5.10   (2.65%)
 
-Marlin is what runs: the activations stay bf16 (only the weights' rounding changes, error 2.66%
-of a layer's output against 3.75% when the inputs are quantised too), 7% behind CUTLASS W8A8 and
-well-kept by vLLM. The hand-written kernel was slower than cuBLAS and is not used. Marlin's
+Marlin is what runs at 2-16 rows: the activations stay bf16 (only the weights' rounding changes,
+error 2.66% of a layer's output against 3.75% when the inputs are quantised too), 7% behind
+CUTLASS W8A8 and well-kept by vLLM. The hand-written tensor-core kernel above was slower than
+cuBLAS and is not used. At one row a plain GEMV beats them all: ``fp8_gemv`` (hand-written, bf16
+activations, the same copies' values), 2.44 ms for the chain against Marlin's 3.31
+(``h200-2026-12-01h``); it runs where no batched step shares the copies
+(``Fp8Linears(one_row=True)``). Marlin's
 configuration is chosen from the shape by fixed rules (no timing at load) and its reduction
 across thread blocks runs in a fixed order (``use_atomic_add`` stays off, vLLM's default), so
 every process rounds a request the same way (issue #22's lesson); a step at a fixed row count

@@ -65,7 +65,7 @@ class KernelConfig:
 
 
 # SenseNova-U1's decode shapes (N, K) -> the fastest block sizes of a sweep at one row on the
-# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-0.26, us per
+# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-sweep-0.26, us per
 # layer: best / the shape rule below / byte floor). Fixed here, never re-timed at load.
 MEASURED = {
     (6144, 4096): KernelConfig(block_n=16, block_k=512, num_warps=8),    # qkv 8.69 / 9.58 / 5.88
