@@ -129,6 +129,22 @@ def sensenova_read_bytes(lm, ctx: int) -> int:
     return total + kv
 
 
+FP8_DECODE_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def sensenova_fp8_read_bytes(lm, ctx: int) -> int:
+    """``sensenova_read_bytes`` with the decode step's FP8 copies in place of the bf16 weights of
+    the layers they cover (qkv, o, gate-up, down: one byte a weight and an fp32 scale a row);
+    ``lm_head`` stays bf16."""
+    saved = 0
+    for name, p in lm.named_parameters():
+        if "_mot_gen" in name or not name.endswith(".weight"):
+            continue
+        if name.rsplit(".", 2)[-2] in FP8_DECODE_LAYERS and name.startswith("model.layers."):
+            saved += p.numel() * (p.element_size() - 1) - p.shape[0] * 4
+    return sensenova_read_bytes(lm, ctx) - saved
+
+
 def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3, temperature=None):
     """ms/token of the pipeline's own text loop over `steps` tokens, median of repeats;
     ``temperature``: the loop samples (``do_sample``) at it, seeded per run."""
@@ -216,7 +232,8 @@ def bench_sensenova(args, rows, env):
             del pipe, wiring
             torch.cuda.empty_cache()
         if args.fp8:
-            _fp8_fields(args, ctx, by_name, texts, intree_ms)
+            fp8_floor = sensenova_fp8_read_bytes(lm, ctx + args.steps // 2) / copy_bandwidth(env) * 1e3
+            _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor)
         _write(args, rows, env)  # a run cut short keeps every context it finished
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
@@ -321,15 +338,19 @@ def _fp8_pair(args, ctx) -> tuple[str, str]:
     return f"sensenova_decode_ctx{ctx}_fa{args.fa[0]}", f"sensenova_decode_ctx{ctx}_fp8"
 
 
-def _fp8_fields(args, ctx, by_name, texts, intree_ms) -> None:
+def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None) -> None:
     """The ``_fp8`` row's comparisons: against the bf16 step of the same run (time and greedy
     tokens: how many of ``--agree-tokens`` lead alike, the bench tokenizer giving one word a
-    token) and, on 0.30, against the in-tree path timed in this run."""
+    token) and, on 0.30, against the in-tree path timed in this run; ``fp8_floor_ms``: its own
+    floor (``floor_ms`` is the bf16 step's), and ``of_fp8_floor``."""
     bf16_name, fp8_name = _fp8_pair(args, ctx)
     row, bf16 = by_name.get(fp8_name), by_name.get(bf16_name)
     if row is None or bf16 is None:
         return
     ours, base = row.get("ours_ms"), bf16.get("ours_ms")
+    if fp8_floor:
+        row["fp8_floor_ms"] = common.significant(fp8_floor)
+        row["of_fp8_floor"] = common.significant(ours / fp8_floor) if ours else None
     row["bf16_ms"] = base
     row["speedup_vs_bf16"] = common.significant(base / ours) if ours and base else None
     if intree_ms:

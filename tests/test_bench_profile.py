@@ -271,3 +271,21 @@ def test_the_cuda_libraries_for_flashinfer_link_are_read_from_the_process_maps()
     assert ak.loaded_libs(maps) == {
         "libcuda.so": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04",
         "libcudart.so": "/site/nvidia/cu13/lib/libcudart.so.13"}
+
+
+def test_fp8_floor_counts_the_decode_layers_copies_at_one_byte_and_keeps_lm_head_bf16(tiny_lm):
+    """The FP8 decode row's own floor: the bf16 floor's bytes less one byte a weight of the 4 x
+    layers linear layers the copies cover (plus their fp32 row scales); embeddings, norms,
+    ``lm_head``, generation weights and K/V count as before."""
+    import bench
+
+    lm, _ = tiny_lm
+    covered = [m for layer in lm.model.layers
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert len(covered) == 4 * len(lm.model.layers)
+    saved = sum(m.weight.numel() * (m.weight.element_size() - 1) - m.weight.shape[0] * 4
+                for m in covered)
+    assert saved > 0
+    for ctx in (16, 300):
+        assert bench.sensenova_fp8_read_bytes(lm, ctx) == bench.sensenova_read_bytes(lm, ctx) - saved
