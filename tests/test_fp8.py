@@ -191,7 +191,11 @@ def test_fp8_one_row_linears_keep_marlin_where_the_gemv_cannot_run():
     from vllm_omni_graphdecode import fp8_gemv
 
     why = fp8_gemv.available("cpu")
-    assert why is not None and why.same(fp8.NO_FP8) and "cpu" in why.detail
+    assert why is not None and why.same(fp8_gemv.NO_GEMV) and "cpu" in why.detail
+    assert "Marlin" in why.hint  # what runs instead, said in the WARNING line
     linears = fp8.Fp8Linears("sensenova_u1", one_row=True, device="cpu")
     assert linears.gemv is False and linears._make is fp8.Fp8Weight
-    assert fp8.Fp8Linears("sensenova_u1")._make is fp8.Fp8Weight
+    assert linears.why_not_gemv is not None and linears.why_not_gemv.same(fp8_gemv.NO_GEMV)
+    batched = fp8.Fp8Linears("sensenova_u1")
+    assert batched._make is fp8.Fp8Weight and batched.why_not_gemv is None
+    assert "vLLM Marlin" in batched.describe()

@@ -290,13 +290,14 @@ class Fp8Linears:
     def __init__(self, model: str, one_row: bool = False, device="cuda"):
         self.model = model
         self.gemv = False
+        self.why_not_gemv = None  # with one_row: why Marlin serves the one row (counted by the hook)
+        self._make = Fp8Weight
         if one_row:
             from . import fp8_gemv
 
-            self.gemv = fp8_gemv.available(device) is None
-            self._make = fp8_gemv.Fp8GemvWeight if self.gemv else Fp8Weight
-        else:
-            self._make = Fp8Weight
+            self.why_not_gemv = fp8_gemv.available(device)
+            if self.why_not_gemv is None:
+                self.gemv, self._make = True, fp8_gemv.Fp8GemvWeight
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
 

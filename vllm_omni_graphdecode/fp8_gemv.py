@@ -40,19 +40,25 @@ from . import fp8
 from .reasons import Reason
 
 
+NO_GEMV = Reason("one-row FP8 GEMV unavailable",
+                 "a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) with Triton; "
+                 "meanwhile vLLM's Marlin reads the FP8 copies at one row too (slower: 3.31 "
+                 "against 2.44 ms for SenseNova-U1's 168 layers on an H200)")
+
+
 def available(device) -> Reason | None:
     """Why the one-row GEMV cannot run on ``device`` (Marlin then serves one row too), or None."""
     device = torch.device(device)
     if device.type != "cuda" or fp8.FP8_DTYPE is None:
-        return fp8.NO_FP8.because(f"device is {device}, torch {torch.__version__}")
+        return NO_GEMV.because(f"device is {device}, torch {torch.__version__}")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        return fp8.NO_FP8.because(f"compute capability {major}.{minor}: Triton converts e4m3 in "
-                                  "hardware from 8.9 on")
+        return NO_GEMV.because(f"compute capability {major}.{minor}: Triton converts e4m3 in "
+                               "hardware from 8.9 on")
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        return fp8.NO_FP8.because(f"triton not importable ({exc})")
+        return NO_GEMV.because(f"triton not importable ({exc})")
     return None
 
 
@@ -154,7 +160,7 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
-    grid = (triton_cdiv(n, cfg.block_n), m)
+    grid = (_cdiv(n, cfg.block_n), m)
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
         out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
@@ -183,7 +189,7 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 

@@ -168,7 +168,10 @@ def fp8_linears(language_model, device, model: str, one_row: bool = False):
     if not len(linears):
         return None, [fp8.NO_FP8.because(f"no layer can take a copy ({', '.join(kept[:3])} ...)")]
     more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
-    return linears, ([fp8.LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else [])
+    why = [fp8.LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else []
+    if linears.why_not_gemv is not None:
+        why.append(linears.why_not_gemv)
+    return linears, why
 
 
 _ROPE_ATTRS = ("q_size", "kv_size", "num_heads", "num_kv_heads", "head_dim", "config",
