@@ -68,12 +68,17 @@ def doctor_report() -> dict:
     except Exception as exc:
         report["decode_step_ops"] = f"unknown: {exc!r}"
     try:
-        from . import fp8
+        from . import fp8, fp8_gemv
 
         device = "cuda:0" if report.get("gpu") else "cpu"
         why = fp8.available(device)
-        decode = ("vLLM Marlin W8A16 (e4m3 weights, bf16 activations)"
-                  if why is None else f"unavailable: {why.describe()}")
+        decode = f"unavailable: {why.describe()}"
+        if why is None:
+            one_row = fp8_gemv.available(device)
+            decode = ("e4m3 weights, bf16 activations: one request through the plugin's one-row "
+                      "FP8 GEMV, batched steps through vLLM Marlin W8A16" if one_row is None else
+                      "e4m3 weights, bf16 activations through vLLM Marlin W8A16 (one request "
+                      f"too: {one_row.describe()})")
         # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.
         why = (fp8.w8a8_available(device) if device != "cpu"
                else fp8.NO_FP8.because("device is cpu"))
