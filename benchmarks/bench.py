@@ -618,14 +618,20 @@ def bench_profile(args, rows, env):
                            "buckets": list(buckets), "copy_bandwidth_tb_s": round(bw / 1e12, 3),
                            "floor_ms_per_token": round(floor, 4)}
     k = config.parse({}).tokens_per_launch
-    for name, per_launch in ((f"sensenova_graph_ctx{ctx}", k), (f"sensenova_graph_k1_ctx{ctx}", 1)):
+    parts = set(getattr(args, "profile_parts", PROFILE_PARTS))
+    graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
+              (f"sensenova_graph_fp8_ctx{ctx}", k, "graph_fp8")]
+    for name, per_launch, part in graphs:
+        if part not in parts:
+            continue
         if not isinstance(kernel, kernels.Kernel):
             profiles[name] = {"error": f"no paged kernel: {kernel}"}
             continue
-        save(name, lambda per_launch=per_launch: profile_step.profile_sensenova_graph(
+        save(name, lambda per_launch=per_launch, part=part: profile_step.profile_sensenova_graph(
             lm, kernel, prefix_logits, make_cache, ctx, steps=args.profile_steps,
             buckets=buckets, copy_bytes_per_s=bw, device_type=device.type,
-            tokens_per_launch=per_launch))
+            tokens_per_launch=per_launch,
+            fusion=_fp8_fusion(lm, device) if part == "graph_fp8" else "auto"))
 
     def eager():
         if is_030:
@@ -635,7 +641,8 @@ def bench_profile(args, rows, env):
             pipe, prefix_logits, make_cache, ctx, steps=args.profile_eager_steps, lm=lm,
             copy_bytes_per_s=bw, device_type=device.type)
 
-    save(f"sensenova_eager_ctx{ctx}", eager)
+    if "eager" in parts:
+        save(f"sensenova_eager_ctx{ctx}", eager)
     del lm, prefix_logits, make_cache
     release_model_unless_needed(args)
 
@@ -648,13 +655,30 @@ def bench_profile(args, rows, env):
             del tf
             torch.cuda.empty_cache()
 
-    if not is_030:  # this bundle's 0.30 stack runs the SenseNova-U1 cases only
+    if not is_030 and "qwen" in parts:  # this bundle's 0.30 stack runs SenseNova-U1 only
         save("qwen_image_21_t2i_1024", qwen)
     log("profiles:\n" + profile_step.table(
         {k: v for k, v in profiles.items() if isinstance(v, dict) and "error" not in v}))
     for name, prof in profiles.items():
         rows.append(_profile_row(name, prof, os.path.basename(path),
                                  floor if name.startswith("sensenova") else None))
+
+
+PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; "graph_fp8" on request
+
+
+def _fp8_fusion(lm, device):
+    """The fused step with the one-request step's FP8 copies (as ``VLLM_OMNI_GRAPHDECODE_FP8``
+    wires it), or the error why not."""
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
+
+    linears, why = fused_step.fp8_linears(lm, device, "sensenova_u1", one_row=True)
+    if linears is None:
+        raise RuntimeError(f"no FP8 copies: {[w.describe() for w in why]}")
+    fusion = fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
+    if not fusion.active:
+        raise RuntimeError(f"no fused step: {fusion.reasons}")
+    return fusion
 
 
 def _profile_row(name, prof, file, floor=None):
@@ -783,6 +807,10 @@ def main():
     ap.add_argument("--profile-context", type=int, default=2048)
     ap.add_argument("--profile-steps", type=int, default=16, help="graphed tokens profiled")
     ap.add_argument("--profile-eager-steps", type=int, default=6, help="eager steps profiled")
+    ap.add_argument("--profile-parts", type=lambda v: [p for p in v.split(",") if p],
+                    default=list(PROFILE_PARTS),
+                    help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
+                         "FP8 copies), eager, qwen (default: all but graph_fp8)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]

@@ -301,8 +301,9 @@ def opaque(rep: dict, expected_min_kernels: int) -> bool:
 
 # ------------------------------------------------------------------ SenseNova-U1
 
-def sensenova_gemms(lm) -> tuple[tuple, dict[str, int]]:
-    """One step's weight GEMMs (per-layer names, layers, tail) and the bytes each reads a call."""
+def sensenova_gemms(lm, fp8: bool = False) -> tuple[tuple, dict[str, int]]:
+    """One step's weight GEMMs (per-layer names, layers, tail) and the bytes each reads a call;
+    ``fp8``: the per-layer projections read their e4m3 copies (a byte a weight), ``lm_head`` bf16."""
     layers = lm.model.layers
     layout = (SENSENOVA_PROJECTIONS, len(layers), "lm_head")
     sizes: dict[str, int] = {}
@@ -312,7 +313,7 @@ def sensenova_gemms(lm) -> tuple[tuple, dict[str, int]]:
     for name, owner in owners.items():
         w = getattr(getattr(owner, name, None), "weight", None)
         if w is not None:
-            sizes[name] = w.numel() * w.element_size()
+            sizes[name] = w.numel() * (1 if fp8 else w.element_size())
     w = lm.lm_head.weight
     sizes["lm_head"] = w.numel() * w.element_size()
     return layout, sizes
@@ -323,8 +324,12 @@ def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, 
                             tokens_per_launch: int = 1, fusion="auto") -> dict:
     """The plugin's decode step (graphs on), as the pipeline's loop drives it: one token per
     ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches.
-    ``fusion``: the step's ``fused_step.Fusion`` ("auto": what this device supports)."""
-    layout, sizes = sensenova_gemms(lm)
+    ``fusion``: the step's ``fused_step.Fusion`` ("auto": what this device supports; one with
+    FP8 copies makes the GEMMs' bytes a byte a weight)."""
+    from vllm_omni_graphdecode import fp8
+
+    layout, sizes = sensenova_gemms(
+        lm, fp8=isinstance(getattr(fusion, "gemv", None), fp8.Fp8Linears))
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1

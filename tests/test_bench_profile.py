@@ -289,3 +289,25 @@ def test_fp8_floor_counts_the_decode_layers_copies_at_one_byte_and_keeps_lm_head
     assert saved > 0
     for ctx in (16, 300):
         assert bench.sensenova_fp8_read_bytes(lm, ctx) == bench.sensenova_read_bytes(lm, ctx) - saved
+
+
+def test_profile_parts_pick_the_profiles_and_fp8_says_why_it_cannot_run_here(tmp_path, monkeypatch,
+                                                                          tiny_lm):
+    """``--profile-parts graph_fp8`` profiles only the one-request step with FP8 copies; without
+    FP8 (this CPU) its entry is the error that says why, and nothing else runs."""
+    import bench
+    from vllm_omni_graphdecode import kernels
+
+    monkeypatch.setattr(bench, "sensenova_model", lambda: tiny_lm)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda env: 1e11)
+    monkeypatch.setattr(bench.kernels, "select_kernel", lambda *a, **k: kernels.REFERENCE)
+    monkeypatch.setattr(bench.rm, "has_intree_paged_decode", lambda: False)
+    args = SimpleNamespace(out=str(tmp_path), tag="cpu", profile_context=20, profile_steps=3,
+                           profile_eager_steps=3, fa=["3"], pending=[], profile_parts=["graph_fp8"])
+    rows, env = [], {}
+    bench.bench_profile(args, rows, env)
+    with open(tmp_path / "profile-cpu.json") as f:
+        profiles = json.load(f)["profiles"]
+    assert list(profiles) == ["sensenova_graph_fp8_ctx20"]
+    assert "no FP8 copies" in profiles["sensenova_graph_fp8_ctx20"]["error"]
+    assert "FP8 weights unavailable" in profiles["sensenova_graph_fp8_ctx20"]["error"]

@@ -21,10 +21,12 @@
 #   scripts/gpu/gemv_session.sh i2   # .gpu-bundle-2 arrives (unpacked)
 #   scripts/gpu/gemv_session.sh i3   # .gpu-bundle-3: 0.30; the decode step at context 2048,
 #                                    # in-tree against bf16 and FP8; the FP8 decode GPU tests
+#   scripts/gpu/gemv_session.sh j1   # a third machine, 0.26 (.gpu-bundle): where the FP8 step's
+#                                    # time goes, a profile beside the bf16 step's
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: gemv_session.sh h1|h2|h3|h4|i1|i2|i3}
+what=${1:?usage: gemv_session.sh h1|h2|h3|h4|i1|i2|i3|j1}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -98,6 +100,14 @@ case "$what" in
       >"$res/decode-0.30/stdout.json" 2>"$res/decode-0.30/log"
     echo "decode-0.30: exit $?" >>"$res/summary.txt"
     suite 200 fp8-tests-0.30 tests/test_sensenova_fp8_gpu.py -q -rfE -s
+    ;;
+  j1)
+    unpack
+    mkdir -p "$res/profile-0.26"
+    PYTHONPATH=$py26 timeout 170 python3 benchmarks/bench.py --out "$res/profile-0.26" \
+      --cases profile --profile-parts graph,graph_fp8 --profile-context 2048 \
+      >"$res/profile-0.26/stdout.json" 2>"$res/profile-0.26/log"
+    echo "profile-0.26: exit $?" >>"$res/summary.txt"
     ;;
 esac
 tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
