@@ -23,10 +23,15 @@
 #                                    # in-tree against bf16 and FP8; the FP8 decode GPU tests
 #   scripts/gpu/gemv_session.sh j1   # a third machine, 0.26 (.gpu-bundle): where the FP8 step's
 #                                    # time goes, a profile beside the bf16 step's
+#   scripts/gpu/gemv_session.sh j2   # a fourth machine, 0.26 (.gpu-bundle), after the add + norm
+#                                    # and SiLU-and-multiply went into the gate-up launch: the
+#                                    # decode step bf16 against FP8, the FP8 GPU tests, the
+#                                    # profile; each result copied to $OUT as it is done (the
+#                                    # session's device time was nearly spent)
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail
-what=${1:?usage: gemv_session.sh h1|h2|h3|h4|i1|i2|i3|j1}
+what=${1:?usage: gemv_session.sh h1|h2|h3|h4|i1|i2|i3|j1|j2}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"
 res=/tmp/res-$what
@@ -108,6 +113,23 @@ case "$what" in
       --cases profile --profile-parts graph,graph_fp8 --profile-context 2048 \
       >"$res/profile-0.26/stdout.json" 2>"$res/profile-0.26/log"
     echo "profile-0.26: exit $?" >>"$res/summary.txt"
+    ;;
+  j2)
+    unpack
+    mkdir -p "$res/decode-0.26"
+    PYTHONPATH=$py26 timeout 120 python3 benchmarks/bench.py --out "$res/decode-0.26" \
+      --cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --contexts 2048 \
+      >"$res/decode-0.26/stdout.json" 2>"$res/decode-0.26/log"
+    echo "decode-0.26: exit $?" >>"$res/summary.txt"
+    cp "$res/decode-0.26/log" "$OUT/decode-0.26.log"; cp "$res/decode-0.26/"bench-*.json "$OUT/" || true
+    suite 100 fp8-tests-0.26 tests/test_sensenova_fp8_gpu.py -q -rfE -s
+    cp "$res/fp8-tests-0.26/gpu-tests-default.log" "$OUT/fp8-tests-0.26.log" || true
+    mkdir -p "$res/profile-0.26"
+    PYTHONPATH=$py26 timeout 60 python3 benchmarks/bench.py --out "$res/profile-0.26" \
+      --cases profile --profile-parts graph_fp8 --profile-context 2048 \
+      >"$res/profile-0.26/stdout.json" 2>"$res/profile-0.26/log"
+    echo "profile-0.26: exit $?" >>"$res/summary.txt"
+    cp "$res/profile-0.26/log" "$OUT/profile-0.26.log" || true
     ;;
 esac
 tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
