@@ -350,19 +350,6 @@ class Fp8Linears:
             return module(x)[0]
         return copy(x)
 
-    def mlp(self, gate_up_proj, down_proj, x, residual, norm_weight, eps):
-        """The decoder layer's second half from the attention's output ``x``: the residual add,
-        the post-attention RMSNorm, gate-up, SiLU-and-multiply, down and the residual add, in
-        two launches of the one-row GEMV (``fp8_gemv``); returns the layer's output, or None for
-        Marlin's copies or a layer without a copy (the caller runs the steps one by one)."""
-        if not self.gemv:
-            return None
-        gate_up, down = self._copy_for(gate_up_proj), self._copy_for(down_proj)
-        if gate_up is None or down is None:
-            return None
-        act, h = gate_up.add_norm_swiglu(x, residual, norm_weight, eps)
-        return down(act, residual=h)
-
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one launch of the one-row GEMV; None
         for Marlin's copies or a layer without a copy (the caller runs the three steps)."""

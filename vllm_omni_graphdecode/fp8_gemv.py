@@ -126,18 +126,8 @@ class Fp8GemvWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.w8, self.scale, self.bias) if t is not None)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv(x, self.w8, self.scale, self.bias, self.config, out, residual=residual)
-
-    def add_norm_swiglu(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """A SwiGLU MLP's gate-up projection with the step's residual add and RMSNorm before it
-        and its SiLU-and-multiply after, one launch: ``h = residual + x`` (what the next residual
-        add reads) and ``act = silu(gate) * up`` of ``self(rms_norm(h) * norm_weight)``.
-        This copy's rows are gate then up (``[2I, K]``); returns ``(act [..., I], h)``."""
-        return gate_up_add_norm(x, residual, norm_weight, eps, self.w8, self.scale, self.bias,
-                                self.config)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv(x, self.w8, self.scale, self.bias, self.config, out)
 
     def mlp_tail(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate_up`` [..., 2K] as one launch: the
@@ -182,55 +172,6 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     return out.reshape(*x.shape[:-1], n)
 
 
-def gate_up_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(silu(gate) * up, h)`` with ``h = residual + x`` (rounded to x's dtype, as vLLM's
-    ``fused_add_rms_norm`` leaves the residual) and ``[gate, up] = rms_norm(h) * norm_weight @
-    (w8 * scale).T + bias``, gate and up rounded to x's dtype before the SiLU-and-multiply (as the
-    unfused step rounds them). The norm's 1 / rms is applied to the sums (it is one number a row),
-    so the normalised input is not rounded to bf16 as vLLM's norm rounds it.
-
-    x, residual: [..., K]; norm_weight: [K]; w8: [2I, K] e4m3 (gate rows, then up rows); scale:
-    [2I] float32; bias: [2I] or None. One program owns ``block_n // 2`` gate rows and the
-    matching up rows, so it reads the same bytes as a plain GEMV's program of ``block_n`` rows."""
-    n2, k = w8.shape
-    inter = n2 // 2
-    x2 = x.reshape(-1, k).contiguous()
-    r2 = residual.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    h = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    cfg = config or config_for(n2, k)
-    block = max(cfg.block_n // 2, 1)
-    grid = (_cdiv(inter, block), m)
-    _gate_up_kernel()[grid](
-        x2, r2, norm_weight, w8, scale, bias if bias is not None else scale, act, h,
-        inter, k, float(eps), x2.stride(0), r2.stride(0), w8.stride(0), act.stride(0),
-        h.stride(0), HAS_BIAS=bias is not None, EVEN_N=inter % block == 0,
-        EVEN_K=k % cfg.block_k == 0, BLOCK_N=block, BLOCK_K=cfg.block_k,
-        BLOCK_H=triton_next_power_of_2(k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return act.reshape(*x.shape[:-1], inter), h.reshape(x.shape)
-
-
-def gate_up_reference(x, residual, norm_weight, eps, w8, scale, bias=None):
-    """What ``gate_up_add_norm`` computes, in fp32 from the same e4m3 values."""
-    h = (residual.float() + x.float()).to(x.dtype)
-    hf = h.float()
-    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    out = normed.reshape(-1, x.shape[-1]) @ fp8.dequantize(w8, scale).T
-    if bias is not None:
-        out = out + bias.float()
-    gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
-    act = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
-    return act.reshape(*x.shape[:-1], -1), h
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None = None, *, silu_mul: bool = False,
               residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,87 +191,6 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-_GATE_UP_KERNEL = None
-
-
-def _gate_up_kernel():
-    """``gate_up_add_norm``'s Triton kernel, defined on first use."""
-    global _GATE_UP_KERNEL
-    if _GATE_UP_KERNEL is not None:
-        return _GATE_UP_KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fp8_gate_up(x_ptr, res_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, act_ptr, h_ptr, INTER, K,
-                    eps, stride_xm, stride_rm, stride_wn, stride_am, stride_hm,
-                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-        # Program (pid_n, m): gate rows j and up rows INTER + j for its BLOCK_N channels j. The
-        # input is h * norm_weight with h = residual + x; sum(h^2) is taken once over the whole
-        # row first (it is in L2: one row), and 1 / rms scales the two sums at the end.
-        pid_n = tl.program_id(0)
-        row = tl.program_id(1)
-        offs_h = tl.arange(0, BLOCK_H)
-        h_mask = offs_h < K
-        hx = (tl.load(res_ptr + row * stride_rm + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-              + tl.load(x_ptr + row * stride_xm + offs_h, mask=h_mask, other=0.0).to(tl.float32))
-        hx = hx.to(h_ptr.dtype.element_ty)
-        if pid_n == 0:
-            tl.store(h_ptr + row * stride_hm + offs_h, hx, mask=h_mask)
-        hf = hx.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / K + eps)
-
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < INTER
-        g_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        u_ptrs = g_ptrs + INTER * stride_wn
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k_idx = start + offs_k
-            if EVEN_K:
-                hk = (tl.load(res_ptr + row * stride_rm + k_idx).to(tl.float32)
-                      + tl.load(x_ptr + row * stride_xm + k_idx).to(tl.float32))
-                nk = tl.load(nw_ptr + k_idx).to(tl.float32)
-            else:
-                k_mask = k_idx < K
-                hk = (tl.load(res_ptr + row * stride_rm + k_idx, mask=k_mask, other=0.0)
-                      .to(tl.float32)
-                      + tl.load(x_ptr + row * stride_xm + k_idx, mask=k_mask, other=0.0)
-                      .to(tl.float32))
-                nk = tl.load(nw_ptr + k_idx, mask=k_mask, other=0.0).to(tl.float32)
-            # h rounded as stored, times the norm's weight (the 1 / rms comes at the end)
-            xin = hk.to(h_ptr.dtype.element_ty).to(tl.float32) * nk
-            if EVEN_K and EVEN_N:
-                wg = tl.load(g_ptrs, eviction_policy="evict_first")
-                wu = tl.load(u_ptrs, eviction_policy="evict_first")
-            else:
-                wmask = n_mask[:, None] & (k_idx < K)[None, :]
-                wg = tl.load(g_ptrs, mask=wmask, other=0.0, eviction_policy="evict_first")
-                wu = tl.load(u_ptrs, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_g += wg.to(tl.float32) * xin[None, :]
-            acc_u += wu.to(tl.float32) * xin[None, :]
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        gate = tl.sum(acc_g, axis=1) * rstd * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
-        up = tl.sum(acc_u, axis=1) * rstd * tl.load(scale_ptr + INTER + offs_n, mask=n_mask,
-                                                    other=1.0)
-        if HAS_BIAS:
-            gate += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            up += tl.load(bias_ptr + INTER + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        # gate and up as the unfused step's bf16 gate_up holds them, then vLLM's silu_and_mul
-        gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + row * stride_am + offs_n, act.to(act_ptr.dtype.element_ty),
-                 mask=n_mask)
-
-    _GATE_UP_KERNEL = fp8_gate_up
-    return fp8_gate_up
 
 
 _KERNEL = None

@@ -27,7 +27,8 @@
 #                                    # and SiLU-and-multiply went into the gate-up launch: the
 #                                    # decode step bf16 against FP8, the FP8 GPU tests, the
 #                                    # profile; each result copied to $OUT as it is done (the
-#                                    # session's device time was nearly spent)
+#                                    # session's device time was nearly spent). It ran d30fc3f,
+#                                    # whose fused gate-up launch gained nothing; reverted since
 #
 # Each step has its own time limit so the call ends inside its 10 minutes with what it measured.
 set -uo pipefail

@@ -69,15 +69,6 @@ class Fusion:
             return self.gemv(module, x)
         return module(x)[0]
 
-    def mlp(self, mlp, x, residual, norm):
-        """``residual + x`` through the post-attention ``norm`` and the whole ``mlp``, plus the
-        residual, where the linear layers fuse it (``fp8.Fp8Linears.mlp``), else None."""
-        fused = getattr(self.gemv, "mlp", None)
-        if fused is None:
-            return None
-        return fused(mlp.gate_up_proj, mlp.down_proj, x, residual, norm.weight,
-                     norm.variance_epsilon)
-
     def mlp_tail(self, down_proj, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one compiled kernel (``gemv.Gemv``), or
         None where that does not apply (the caller runs the three steps)."""
@@ -276,9 +267,6 @@ def _fused_layer_forward_und(layer, original):
         x = layer.self_attn(x, image_gen_indicators=None, exist_und=True, exist_gen=False,
                             indexes=indexes, attention_mask=attention_mask,
                             past_key_values=past_key_values, **kwargs)
-        out = step.fusion.mlp(mlp, x, hidden_states, ln2)
-        if out is not None:  # the whole second half in the FP8 GEMV's two launches
-            return out
         # hidden_states <- hidden_states + x (the residual stream), x <- its post-attention norm.
         # hidden_states is this step's own tensor: the embedding or the previous layer's output.
         ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
