@@ -10,8 +10,13 @@ CUTLASS are tensor-core GEMMs that pad one row to a tile; a GEMV needs no tile. 
 plain one: each program owns ``BLOCK_N`` output channels of one row, streams their e4m3 weight
 rows ``BLOCK_K`` bytes at a time, widens them to fp32 in registers against the bf16 activations,
 and reduces once at the end; the per-channel scale and the bias are applied in fp32 before the
-one bf16 rounding. Its chain time against Marlin's is in ``fp8_gemv.json``'s ``plugin_gemv`` row
-(docs/performance.md).
+one bf16 rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in the same run
+(``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``); the decode step 4.01 ms a token on
+vllm-omni 0.26 (Marlin 5.06) and 4.16 on 0.30 (Marlin 5.21). ``Fp8GemvWeight.mlp_tail`` runs a
+SwiGLU MLP's SiLU-and-multiply, down projection and residual add as one launch (a gain within
+noise). Tried and reverted (d30fc3f): the residual add, the RMSNorm and the SiLU-and-multiply
+folded into the gate-up launch; each program read and reduced the whole row before streaming
+its weights and the step did not move.
 
 What it guarantees:
 
@@ -71,8 +76,8 @@ class KernelConfig:
 
 
 # SenseNova-U1's decode shapes (N, K) -> the fastest block sizes of a sweep at one row on the
-# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-sweep-0.26, us per
-# layer: best / the shape rule below / byte floor). Fixed here, never re-timed at load.
+# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-sweep-0.26,
+# us per layer: best / the shape rule below / byte floor). Fixed here, never re-timed at load.
 MEASURED = {
     (6144, 4096): KernelConfig(block_n=16, block_k=512, num_warps=8),    # qkv 8.69 / 9.58 / 5.88
     (4096, 4096): KernelConfig(block_n=8, block_k=1024, num_warps=4),    # o 6.71 / 8.36 / 3.92
