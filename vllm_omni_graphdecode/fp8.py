@@ -134,11 +134,11 @@ class Fp8Weight:
             marlin.prepare_fp8_layer_for_marlin(holder, size_k_first=False)
         self._apply = marlin.apply_fp8_marlin_linear
         self._holder = holder
-        self._source = _version(weight), _version(bias)
+        self._source = version_of(weight), version_of(bias)
 
     def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the layer's weight or bias was replaced or written since this copy."""
-        return self._source != (_version(weight), _version(bias))
+        return self._source != (version_of(weight), version_of(bias))
 
     def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantise ``weight`` again into this copy's own tensors: a graph captured with them
@@ -158,7 +158,9 @@ class Fp8Weight:
         return self._apply(x, h.weight, h.weight_scale, h.workspace, self.n, self.k, h.bias)
 
 
-def _version(t: torch.Tensor | None):
+def version_of(t: torch.Tensor | None):
+    """What a copy remembers of its source tensor to see it replaced or written through itself:
+    its storage and version counter (None for no tensor)."""
     if t is None:
         return None
     try:
@@ -243,14 +245,14 @@ class W8A8Copies:
     def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         made = self._made.get(id(weight))
         if made is not None and made[0]() is weight:
-            if made[1] == _version(weight):
+            if made[1] == version_of(weight):
                 return made[2]
             w8, scale = made[2]
             with torch.no_grad():
                 fresh = w8a8_weight(weight)
                 w8.copy_(fresh[0])
                 scale.copy_(fresh[1])
-            self._made[id(weight)] = (made[0], _version(weight), made[2])
+            self._made[id(weight)] = (made[0], version_of(weight), made[2])
             return made[2]
         with torch.no_grad():
             copy = w8a8_weight(weight)
@@ -260,7 +262,7 @@ class W8A8Copies:
             if key in made and made[key][0] is ref:
                 del made[key]
 
-        self._made[key] = (weakref.ref(weight, forget), _version(weight), copy)
+        self._made[key] = (weakref.ref(weight, forget), version_of(weight), copy)
         return copy
 
     def release(self) -> None:

@@ -109,11 +109,11 @@ class Fp8GemvWeight:
         self.w8, self.scale = fp8.quantize_rows(weight.detach())
         self.bias = None if bias is None else bias.detach().clone()
         self.config = config or config_for(self.n, self.k)
-        self._source = fp8._version(weight), fp8._version(bias)
+        self._source = fp8.version_of(weight), fp8.version_of(bias)
 
     def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the layer's weight or bias was replaced or written since this copy."""
-        return self._source != (fp8._version(weight), fp8._version(bias))
+        return self._source != (fp8.version_of(weight), fp8.version_of(bias))
 
     def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantise ``weight`` again into this copy's own tensors (graphs captured with them
@@ -124,7 +124,7 @@ class Fp8GemvWeight:
             self.scale.copy_(scale)
             if self.bias is not None and bias is not None:
                 self.bias.copy_(bias)
-        self._source = fp8._version(weight), fp8._version(bias)
+        self._source = fp8.version_of(weight), fp8.version_of(bias)
 
     @property
     def nbytes(self) -> int:
