@@ -133,6 +133,52 @@ assert float((fused.float() - three.float()).abs().max()) <= 2.0 ** -7 * scale *
 assert float((fused.float() - want.float()).abs().max()) <= 2.0 ** -7 * scale * 2, "reference"
 assert torch.equal(copy.mlp_tail(gate_up[:, 1:2], residual[:, 1:2]), fused[:, 1:2])
 
+# The input RMSNorm in the launch (what qkv reads): the squares summed as the weights stream.
+for n, k, with_bias in [(64, 1024, True), (40, 200, False)]:
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    copy = fp8_gemv.Fp8GemvWeight(w, bias)
+    h = (torch.randn(3, k, generator=g) * 4).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16()
+    y = copy(h, norm=(nw, 1e-6))
+    want = fp8_gemv.reference(h, copy.w8, copy.scale, bias, norm=(nw, 1e-6))
+    scale = float(want.float().abs().max())
+    assert float((y.float() - want.float()).abs().max()) <= 2.0 ** -7 * scale * 2, (n, k)
+    # the unfused pair, the norm rounded to bf16 first: within the same bound
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()).bfloat16()
+    assert float((y.float() - copy(normed).float()).abs().max()) <= 2.0 ** -7 * scale * 4, (n, k)
+    assert torch.equal(copy(h[1:2], norm=(nw, 1e-6))[0], y[1]), (n, k)
+    # and not a plain GEMV of the un-normalised row
+    assert float((y.float() - copy(h).float()).abs().max()) > 0.1 * scale, (n, k)
+
+# The gate-up launch: residual add, RMSNorm, gate-up and SiLU-and-multiply.
+for inter, k, with_bias in [(32, 1024, False), (20, 200, True)]:
+    w = (torch.randn(2 * inter, k, generator=g) * 0.02).bfloat16()
+    bias = torch.randn(2 * inter, generator=g).bfloat16() if with_bias else None
+    copy = fp8_gemv.Fp8GemvWeight(w, bias)
+    x = torch.randn(1, 3, k, generator=g).bfloat16()
+    residual = (torch.randn(1, 3, k, generator=g) * 4).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16()
+    act, h = copy.add_norm_swiglu(x, residual, nw, 1e-6)
+    assert act.shape == (1, 3, inter) and h.shape == (1, 3, k)
+    # The residual stream is the add's (bit for bit on the GPU, tests/test_sensenova_fp8_gpu.py;
+    # the interpreter truncates to bf16 where the GPU rounds: within one ulp here).
+    added = (residual + x).float()
+    assert float((h.float() - added).abs().max()) <= 2.0 ** -7 * float(added.abs().max())
+    want_act, _ = fp8_gemv.gate_up_reference(x, residual, nw, 1e-6, copy.w8, copy.scale, bias)
+    scale = float(want_act.float().abs().max())
+    assert float((act.float() - want_act.float()).abs().max()) <= 2.0 ** -7 * scale * 4, inter
+    # the unfused steps: norm rounded to bf16, the GEMV, silu_and_mul
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()).bfloat16()
+    gate_up = copy(normed).float()
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    steps = (gate * torch.sigmoid(gate) * up).bfloat16()
+    assert float((act.float() - steps.float()).abs().max()) <= 2.0 ** -7 * scale * 8, inter
+    one_act, one_h = copy.add_norm_swiglu(x[:, 2:3], residual[:, 2:3], nw, 1e-6)
+    assert torch.equal(one_act, act[:, 2:3]) and torch.equal(one_h, h[:, 2:3])
+
 # refresh quantises into the same tensors (graphs captured with them keep their addresses).
 w = (torch.randn(64, 512, generator=g) * 0.02).bfloat16()
 copy = fp8_gemv.Fp8GemvWeight(w)
@@ -167,6 +213,95 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
     proc = subprocess.run([sys.executable, "-c", GEMV_INTERPRETED], capture_output=True,
                           text=True, env=env, timeout=300, cwd=root, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+FOLDED_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode import fp8, fp8_gemv, kernels, layer_ops
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.testing.fused_reference import reference_fusion
+
+tok = st.build_tokenizer()
+lm = st.build_lm(banned_ids=st.stop_ids(tok)).to(torch.bfloat16)
+ids = st.prompt_ids(tok, 12)
+pipe = st.build_pipeline(lm, tok)
+norms = []
+ops = layer_ops.REFERENCE_LAYER_OPS
+for name in ("rms_norm", "add_rms_norm_"):
+    def counted(*a, _f=getattr(ops, name), _n=name):
+        norms.append(_n)
+        return _f(*a)
+    setattr(ops, name, counted)
+
+
+def gemv_linears(fold):
+    # the GEMV's copies as an H200 makes them (fp8_gemv.available is False on a CPU)
+    linears = fp8.Fp8Linears("sensenova_u1")
+    linears.gemv, linears._make = True, fp8_gemv.Fp8GemvWeight
+    modules = {f"{i}.{n}": getattr(m, n) for i, layer in enumerate(lm.model.layers)
+               for m, names in ((layer.self_attn, ("qkv_proj", "o_proj")),
+                                (layer.mlp, ("gate_up_proj", "down_proj"))) for n in names}
+    assert linears.quantize(modules) == []
+    if not fold:
+        linears.folded_layer = lambda *layers: None
+    return linears
+
+
+def decode(linears, feed=None, steps=3):
+    fusion = reference_fusion(lm)
+    fusion.gemv = linears
+    out, cache, t_idx = st.prefill(pipe, ids)
+    decoder = hook.paged_decoder(lm, kernel=kernels.REFERENCE, buckets=(32,), graphs=False,
+                                 fusion=fusion, kv_writer=None)
+    decoder.begin(cache)
+    token, logits, fed = out.logits[:, -1].argmax(-1), [], []
+    with torch.inference_mode():
+        for step in range(steps):
+            token = token if feed is None else feed[step]
+            fed.append(token)
+            logits.append(decoder.step(token, t_idx + 1 + step).float())
+            token = logits[-1][:, -1].argmax(-1)
+    decoder.release()
+    return logits, fed
+
+
+def relative(a, b):
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+
+
+del norms[:]
+folded, fed = decode(gemv_linears(True))
+assert norms == [], norms  # every norm ran inside a launch
+apart, _ = decode(gemv_linears(False), fed)
+assert len(norms) == 3 * 2 * len(lm.model.layers), len(norms)
+bf16, _ = decode(None, fed)
+# The folded layers differ from the norms run apart by the normalised inputs' bf16 rounding
+# (and the interpreter's truncation); FP8 against bf16 weights is the larger change.
+print(relative(folded, apart), relative(apart, bf16))
+assert relative(folded, apart) < 0.03
+assert relative(apart, bf16) > 2 * relative(folded, apart)
+print("ok")
+"""
+
+
+def test_fp8_gemv_step_runs_the_norms_inside_its_launches_under_triton_interpreter():
+    """The tiny SenseNova-U1 model's fused decode step with the one-row GEMV's copies, the layer
+    in four launches (``fused_step._folded_layer``: no norm kernel runs), against the same copies
+    with the norms run apart, under Triton's interpreter on CPU."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", FOLDED_INTERPRETED], capture_output=True,
+                          text=True, env=env, timeout=600, cwd=root, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_fp8_gemv_block_sizes_come_from_the_shape_alone():
