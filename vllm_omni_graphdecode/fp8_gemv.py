@@ -287,10 +287,10 @@ def _gate_up_kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_gate_up(x_ptr, res_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, act_ptr, h_ptr, INTER, K,
-                    eps, stride_xm, stride_rm, stride_wn, stride_am, stride_hm,
-                    HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def fp8_gemv_gate_up(x_ptr, res_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, act_ptr, h_ptr,
+                         INTER, K, eps, stride_xm, stride_rm, stride_wn, stride_am, stride_hm,
+                         HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # Program (pid_n, m): gate rows j and up rows INTER + j for its BLOCK_N channels j. The
         # input is h * norm_weight with h = residual + x rounded as stored; h's squares are summed
         # as the weights stream (no pass over the row before them: d30fc3f's pre-pass cost more
@@ -353,8 +353,8 @@ def _gate_up_kernel():
         tl.store(act_ptr + row * stride_am + offs_n, act.to(act_ptr.dtype.element_ty),
                  mask=n_mask)
 
-    _GATE_UP_KERNEL = fp8_gate_up
-    return fp8_gate_up
+    _GATE_UP_KERNEL = fp8_gemv_gate_up
+    return fp8_gemv_gate_up
 
 
 _KERNEL = None
