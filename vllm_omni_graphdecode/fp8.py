@@ -352,14 +352,6 @@ class Fp8Linears:
             return module(x)[0]
         return copy(x)
 
-    def folded_layer(self, qkv_proj, gate_up_proj, down_proj):
-        """``(qkv, gate_up, down)`` one-row GEMV copies when all three layers have one, so that
-        the layer's two RMSNorms can run inside their launches (``fused_step``); else None."""
-        if not self.gemv:
-            return None
-        copies = tuple(self._copy_for(m) for m in (qkv_proj, gate_up_proj, down_proj))
-        return None if any(c is None for c in copies) else copies
-
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one launch of the one-row GEMV; None
         for Marlin's copies or a layer without a copy (the caller runs the three steps)."""

@@ -14,9 +14,13 @@ one bf16 rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in
 (``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``); the decode step 4.01 ms a token on
 vllm-omni 0.26 (Marlin 5.06) and 4.16 on 0.30 (Marlin 5.21). ``Fp8GemvWeight.mlp_tail`` runs a
 SwiGLU MLP's SiLU-and-multiply, down projection and residual add as one launch (a gain within
-noise). Tried and reverted (d30fc3f): the residual add, the RMSNorm and the SiLU-and-multiply
-folded into the gate-up launch; each program read and reduced the whole row before streaming
-its weights and the step did not move.
+noise). Tried and reverted twice: the residual add, the RMSNorm and the SiLU-and-multiply folded
+into the gate-up launch (d30fc3f: each program read and reduced the whole row before streaming its
+weights; the step did not move), then with the squares summed inside the weight loop and the
+input RMSNorm folded into qkv too (d521024, ``benchmarks/results/h200-2026-12-01i``): gate-up
+took 34.0 us a call against 33.5 with the pre-pass (the pre-pass was not the cost) and 27.8
+plain, qkv 10.2 against 8.7 plus a 2.4 us norm; the step 3.87 ms against 3.93, within what two
+machines differ by.
 
 What it guarantees:
 
@@ -131,21 +135,8 @@ class Fp8GemvWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.w8, self.scale, self.bias) if t is not None)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
-                 norm: tuple[torch.Tensor, float] | None = None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``norm``: ``(weight, eps)`` of an RMSNorm that ``x`` has not had yet (applied in the
-        launch, ``gemv``); ``residual``: added to the output."""
-        return gemv(x, self.w8, self.scale, self.bias, self.config, out, norm=norm,
-                    residual=residual)
-
-    def add_norm_swiglu(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """A SwiGLU MLP's gate-up projection with the step's residual add and RMSNorm before it
-        and its SiLU-and-multiply after, one launch (``gate_up_add_norm``). This copy's rows are
-        gate then up (``[2I, K]``); returns ``(silu(gate) * up [..., I], residual + x)``."""
-        return gate_up_add_norm(x, residual, norm_weight, eps, self.w8, self.scale, self.bias,
-                                self.config)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gemv(x, self.w8, self.scale, self.bias, self.config, out)
 
     def mlp_tail(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate_up`` [..., 2K] as one launch: the
@@ -156,21 +147,14 @@ class Fp8GemvWeight:
 
 def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
-         silu_mul: bool = False, residual: torch.Tensor | None = None,
-         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input or an RMSNorm
-    before it and a residual after.
+         silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual.
 
     x: [..., K] bf16 or fp16 (rows with unit stride); with ``silu_mul`` [..., 2K], gate then up,
     and the input is ``silu(gate) * up`` rounded to x's dtype (as vLLM's ``silu_and_mul`` gives
-    it). ``norm``: ``(weight [K], eps)``, and the input is ``rms_norm(x) * weight``: each program
-    sums the row's squares inside its weight loop (it reads the whole row anyway) and scales its
-    sums by the one ``1 / rms`` at the end, so the normalised input is never rounded to bf16 as a
-    separate norm kernel rounds it. w8: [N, K] float8_e4m3fn, row-major; scale: [N] float32;
-    bias: [N] or None; residual: [..., N] or None, added to the product rounded to x's dtype (as
-    ``residual + out`` adds). Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
-    if silu_mul and norm is not None:
-        raise ValueError("gemv: silu_mul and norm are two different inputs; pass one")
+    it). w8: [N, K] float8_e4m3fn, row-major; scale: [N] float32; bias: [N] or None; residual:
+    [..., N] or None, added to the product rounded to x's dtype (as ``residual + out`` adds).
+    Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -186,83 +170,26 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
     grid = (_cdiv(n, cfg.block_n), m)
-    norm_weight, eps = norm if norm is not None else (scale, 0.0)
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
-        out, norm_weight, float(eps), n, k, x2.stride(0), w8.stride(0),
-        (res if res is not None else out).stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RESIDUAL=res is not None,
+        out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)
 
 
-def gate_up_add_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(silu(gate) * up, h)``: ``h = residual + x`` rounded to x's dtype (the residual stream
-    as vLLM's ``fused_add_rms_norm`` leaves it, bit for bit) and ``[gate, up] = rms_norm(h) *
-    norm_weight @ (w8 * scale).T + bias``, gate and up rounded to x's dtype before the
-    SiLU-and-multiply (as the unfused step holds them). The norm as in ``gemv``: the squares
-    summed inside the weight loop, ``1 / rms`` applied to the sums.
-
-    x, residual: [..., K]; norm_weight: [K]; w8: [2I, K] e4m3 (gate rows, then up rows); scale:
-    [2I] float32; bias: [2I] or None. One program owns ``block_n // 2`` gate rows and the
-    matching up rows, so it reads the bytes of a plain GEMV's program of ``block_n`` rows. The
-    programs of column 0 write ``h``; it is a new tensor, since every program reads the old one."""
-    n2, k = w8.shape
-    if n2 % 2:
-        raise ValueError(f"gate_up_add_norm: {n2} weight rows are not gate and up halves")
-    inter = n2 // 2
-    x2 = x.reshape(-1, k).contiguous()
-    r2 = residual.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    act = torch.empty(m, inter, dtype=x.dtype, device=x.device)
-    h = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    cfg = config or config_for(n2, k)
-    block = max(cfg.block_n // 2, 1)
-    grid = (_cdiv(inter, block), m)
-    _gate_up_kernel()[grid](
-        x2, r2, norm_weight, w8, scale, bias if bias is not None else scale, act, h,
-        inter, k, float(eps), x2.stride(0), r2.stride(0), w8.stride(0), act.stride(0),
-        h.stride(0), HAS_BIAS=bias is not None, EVEN_N=inter % block == 0,
-        EVEN_K=k % cfg.block_k == 0, BLOCK_N=block, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return act.reshape(*x.shape[:-1], inter), h.reshape(x.shape)
-
-
-def gate_up_reference(x, residual, norm_weight, eps, w8, scale, bias=None):
-    """What ``gate_up_add_norm`` computes, in fp32 from the same e4m3 values."""
-    h = (residual.float() + x.float()).to(x.dtype)
-    out = _rms_normed(h.reshape(-1, x.shape[-1]).float(), norm_weight, eps)
-    out = out @ fp8.dequantize(w8, scale).T
-    if bias is not None:
-        out = out + bias.float()
-    gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
-    act = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
-    return act.reshape(*x.shape[:-1], -1), h
-
-
-def _rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 ``rms_norm(x) * weight``, never rounded (what the fused launches feed their sums)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
 def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
               bias: torch.Tensor | None = None, *, silu_mul: bool = False,
-              residual: torch.Tensor | None = None,
-              norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None) -> torch.Tensor:
     """What ``gemv`` computes, in fp32 from the same e4m3 values (the sum order differs)."""
     if silu_mul:
         half = x.shape[-1] // 2
         gate, up = x[..., :half].float(), x[..., half:].float()
         x = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
-    xin = x.reshape(-1, x.shape[-1]).float()
-    if norm is not None:
-        xin = _rms_normed(xin, *norm)
-    out = xin @ fp8.dequantize(w8, scale).T
+    out = x.reshape(-1, x.shape[-1]).float() @ fp8.dequantize(w8, scale).T
     if bias is not None:
         out = out + bias.float()
     out = out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])
@@ -273,88 +200,6 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-_GATE_UP_KERNEL = None
-
-
-def _gate_up_kernel():
-    """``gate_up_add_norm``'s Triton kernel, defined on first use."""
-    global _GATE_UP_KERNEL
-    if _GATE_UP_KERNEL is not None:
-        return _GATE_UP_KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fp8_gemv_gate_up(x_ptr, res_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, act_ptr, h_ptr,
-                         INTER, K, eps, stride_xm, stride_rm, stride_wn, stride_am, stride_hm,
-                         HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Program (pid_n, m): gate rows j and up rows INTER + j for its BLOCK_N channels j. The
-        # input is h * norm_weight with h = residual + x rounded as stored; h's squares are summed
-        # as the weights stream (no pass over the row before them: d30fc3f's pre-pass cost more
-        # than the norm kernel it removed), and 1 / rms scales the two sums at the end.
-        pid_n = tl.program_id(0)
-        row = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        n_mask = offs_n < INTER
-        g_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
-        u_ptrs = g_ptrs + INTER * stride_wn
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k_idx = start + offs_k
-            if EVEN_K:
-                hk = (tl.load(res_ptr + row * stride_rm + k_idx).to(tl.float32)
-                      + tl.load(x_ptr + row * stride_xm + k_idx).to(tl.float32))
-                nk = tl.load(nw_ptr + k_idx).to(tl.float32)
-            else:
-                k_mask = k_idx < K
-                hk = (tl.load(res_ptr + row * stride_rm + k_idx, mask=k_mask, other=0.0)
-                      .to(tl.float32)
-                      + tl.load(x_ptr + row * stride_xm + k_idx, mask=k_mask, other=0.0)
-                      .to(tl.float32))
-                nk = tl.load(nw_ptr + k_idx, mask=k_mask, other=0.0).to(tl.float32)
-            hk = hk.to(h_ptr.dtype.element_ty)  # the residual stream, as the add rounds it
-            if pid_n == 0:
-                if EVEN_K:
-                    tl.store(h_ptr + row * stride_hm + k_idx, hk)
-                else:
-                    tl.store(h_ptr + row * stride_hm + k_idx, hk, mask=k_idx < K)
-            hf = hk.to(tl.float32)
-            squares += hf * hf
-            xin = hf * nk
-            if EVEN_K and EVEN_N:
-                wg = tl.load(g_ptrs, eviction_policy="evict_first")
-                wu = tl.load(u_ptrs, eviction_policy="evict_first")
-            else:
-                wmask = n_mask[:, None] & (k_idx < K)[None, :]
-                wg = tl.load(g_ptrs, mask=wmask, other=0.0, eviction_policy="evict_first")
-                wu = tl.load(u_ptrs, mask=wmask, other=0.0, eviction_policy="evict_first")
-            acc_g += wg.to(tl.float32) * xin[None, :]
-            acc_u += wu.to(tl.float32) * xin[None, :]
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-        gate = tl.sum(acc_g, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
-        up = tl.sum(acc_u, axis=1) * tl.load(scale_ptr + INTER + offs_n, mask=n_mask, other=1.0)
-        gate = gate * rstd
-        up = up * rstd
-        if HAS_BIAS:
-            gate += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            up += tl.load(bias_ptr + INTER + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        # gate and up as the unfused step's bf16 gate_up holds them, then vLLM's silu_and_mul
-        gate = gate.to(act_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(act_ptr.dtype.element_ty).to(tl.float32)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + row * stride_am + offs_n, act.to(act_ptr.dtype.element_ty),
-                 mask=n_mask)
-
-    _GATE_UP_KERNEL = fp8_gemv_gate_up
-    return fp8_gemv_gate_up
 
 
 _KERNEL = None
@@ -369,10 +214,9 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, nw_ptr, eps, N, K,
-                 stride_xm, stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
-                 SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 EVEN_N: tl.constexpr,
+    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
+                 stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
         # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
@@ -385,12 +229,9 @@ def _kernel():
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = x_ptr + row * stride_xm + offs_k
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
-                if NORM:
-                    nw = tl.load(nw_ptr + start + offs_k)
                 if SILU_MUL:
                     up = tl.load(x_ptrs + K)
                 if EVEN_N:
@@ -401,8 +242,6 @@ def _kernel():
             else:
                 k_mask = start + offs_k < K
                 x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-                if NORM:
-                    nw = tl.load(nw_ptr + start + offs_k, mask=k_mask, other=0.0)
                 if SILU_MUL:
                     up = tl.load(x_ptrs + K, mask=k_mask, other=0.0)
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
@@ -410,16 +249,10 @@ def _kernel():
             if SILU_MUL:  # the input vLLM's silu_and_mul would have written, in x's dtype
                 gate = x.to(tl.float32)
                 x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            xf = x.to(tl.float32)
-            if NORM:  # the row's squares, summed as the weights stream; 1 / rms comes at the end
-                squares += xf * xf
-                xf = xf * nw.to(tl.float32)
-            acc += w.to(tl.float32) * xf[None, :]
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
-        if NORM:
-            out = out * (1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps))
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out = out.to(out_ptr.dtype.element_ty)

@@ -76,25 +76,9 @@ class Fusion:
             return self.gemv.mlp_tail(down_proj, gate_up, residual)
         return None
 
-    def projection(self, module, step=None):
-        """``module`` as the model's code calls a projection (``out, _ = proj(x)``). With
-        ``step.input_norm`` set (``folded_layer``), the projection applies that RMSNorm to its
-        input in the same launch, and takes it off ``step``."""
-        norm = None if step is None else step.input_norm
-        if norm is not None:
-            step.input_norm = None
-            return _NormedProjection(self.gemv._copy_for(module), norm)
+    def projection(self, module):
+        """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""
         return module if self.gemv is None else gemv.Projection(self.gemv, module)
-
-    def folded_layer(self, layer):
-        """``(qkv, gate_up, down)`` FP8 GEMV copies when this layer's two RMSNorms can run inside
-        their launches: the input norm in qkv's, the residual add and post-attention norm in
-        gate-up's with the SiLU-and-multiply after, the residual add in down's. Only the one-row
-        GEMV does this (``fp8_gemv``); else None, and the step runs vLLM's norm kernels."""
-        if not isinstance(self.gemv, fp8.Fp8Linears):
-            return None
-        return self.gemv.folded_layer(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj,
-                                      layer.mlp.down_proj)
 
     @classmethod
     def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16, *,
@@ -162,21 +146,7 @@ class Fusion:
         if step.rope is None:
             step.rope = _rope_tables(attn, hidden_states, indexes)
         return _project_and_rope_once(attn, hidden_states, step.rope, self.rope_kernel,
-                                      self.projection(attn.qkv_proj, step))
-
-
-class _NormedProjection:
-    """A projection called as the model calls one (``out, _ = proj(x)``) whose input has not had
-    its RMSNorm yet: the one-row GEMV applies it in the launch (``fp8_gemv.gemv``'s ``norm``)."""
-
-    __slots__ = ("copy", "norm")
-
-    def __init__(self, copy, norm):
-        self.copy = copy
-        self.norm = norm
-
-    def __call__(self, x):
-        return self.copy(x, norm=self.norm), None
+                                      self.projection(attn.qkv_proj))
 
 
 def fp8_linears(language_model, device, model: str, one_row: bool = False):
@@ -293,10 +263,6 @@ def _fused_layer_forward_und(layer, original):
         if ops is None:
             return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
         ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-        folded = step.fusion.folded_layer(layer)
-        if folded is not None:
-            return _folded_layer(layer, folded, hidden_states, indexes, attention_mask,
-                                 past_key_values, step, kwargs)
         x = ops.rms_norm(hidden_states, ln1.weight, ln1.variance_epsilon)
         x = layer.self_attn(x, image_gen_indicators=None, exist_und=True, exist_gen=False,
                             indexes=indexes, attention_mask=attention_mask,
@@ -313,22 +279,3 @@ def _fused_layer_forward_und(layer, original):
 
     _forward_und.__graphdecode__ = True
     return _forward_und
-
-
-def _folded_layer(layer, folded, hidden_states, indexes, attention_mask, past_key_values, step,
-                  kwargs):
-    """One decoder layer in four FP8 GEMV launches around attention, the norms inside them
-    (``Fusion.folded_layer``): two launches fewer a layer than with the norms apart. The residual
-    stream is the unfused step's bit for bit; the normalised inputs are not rounded to bf16 (the
-    sums are scaled by 1 / rms), within the FP8 step's bound (tests/test_sensenova_fp8_gpu.py)."""
-    _, gate_up, down = folded
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    step.input_norm = (ln1.weight, ln1.variance_epsilon)
-    x = layer.self_attn(hidden_states, image_gen_indicators=None, exist_und=True, exist_gen=False,
-                        indexes=indexes, attention_mask=attention_mask,
-                        past_key_values=past_key_values, **kwargs)
-    if step.input_norm is not None:  # the attention did not project through Fusion.projection
-        raise RuntimeError(f"layer {layer.self_attn.layer_idx}: the input RMSNorm left to the qkv "
-                           "launch was not applied; the attention's projection moved")
-    act, residual = gate_up.add_norm_swiglu(x, hidden_states, ln2.weight, ln2.variance_epsilon)
-    return down(act, residual=residual)

@@ -40,17 +40,14 @@ PAGED_KWARG = "graphdecode_paged_kv"
 
 class StepArgs:
     """``PAGED_KWARG``'s value for one decode step: the paged cache, the fused step's parts (or
-    None), the rope tables once the first layer has computed them, and ``input_norm``: the
-    ``(weight, eps)`` of the RMSNorm a layer left to its qkv launch (``fused_step``), taken by
-    the attention's projection."""
+    None), and the rope tables once the first layer has computed them."""
 
-    __slots__ = ("cache", "fusion", "rope", "input_norm")
+    __slots__ = ("cache", "fusion", "rope")
 
     def __init__(self, cache, fusion):
         self.cache = cache
         self.fusion = fusion
         self.rope = None
-        self.input_norm = None
 
 
 class Step:
@@ -155,7 +152,7 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
         if fusion is not None and fusion.rope_kernel is not None:
             query, key, value = fusion.project_and_rope(attn, hidden_states, indexes, step)
         else:
-            qkv_proj = attn.qkv_proj if fusion is None else fusion.projection(attn.qkv_proj, step)
+            qkv_proj = attn.qkv_proj if fusion is None else fusion.projection(attn.qkv_proj)
             query, key, value = attn._project_and_rope(
                 hidden_states, layout.rope_input(indexes, kwargs), qkv_proj, attn.q_norm,
                 attn.k_norm, attn.q_norm_hw, attn.k_norm_hw)
