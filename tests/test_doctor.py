@@ -50,3 +50,23 @@ def test_doctor_flags_invalid_config_with_exit_2():
     proc = _doctor(env_extra={"VLLM_OMNI_GRAPHDECODE_FA_VERSION": "9"})
     assert proc.returncode == 2
     assert "VLLM_OMNI_GRAPHDECODE_FA_VERSION='9'" in proc.stdout
+
+
+def test_doctor_fp8_line_names_the_kernels_where_fp8_runs(monkeypatch):
+    """The branches a GPU takes, on CPU: the line names the one-row GEMV, or Marlin with the
+    GEMV's reason (an H200 printed ``unknown: AttributeError`` here before this was tested)."""
+    from vllm_omni_graphdecode import cli, fp8, fp8_gemv
+
+    monkeypatch.setattr(fp8, "available", lambda device: None)
+    monkeypatch.setattr(fp8, "w8a8_available", lambda device: None)
+    monkeypatch.setattr(fp8_gemv, "available", lambda device: None)
+    line = cli.fp8_report("cuda:0")
+    assert line.startswith("decode steps: e4m3 weights, bf16 activations: one request through "
+                           "the plugin's one-row FP8 GEMV, batched steps through vLLM Marlin")
+    assert line.endswith("denoising steps: W8A8 (torch._scaled_mm, e4m3 weights and per-row "
+                         "activation scales)")
+    monkeypatch.setattr(fp8_gemv, "available",
+                        lambda device: fp8_gemv.NO_GEMV.because("compute capability 8.0"))
+    line = cli.fp8_report("cuda:0")
+    assert "through vLLM Marlin W8A16 (one request too: one-row FP8 GEMV unavailable" in line
+    assert "compute capability 8.0" in line

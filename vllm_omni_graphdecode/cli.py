@@ -68,23 +68,7 @@ def doctor_report() -> dict:
     except Exception as exc:
         report["decode_step_ops"] = f"unknown: {exc!r}"
     try:
-        from . import fp8, fp8_gemv
-
-        device = "cuda:0" if report.get("gpu") else "cpu"
-        why = fp8.available(device)
-        decode = f"unavailable: {why.describe()}"
-        if why is None:
-            one_row = fp8_gemv.available(device)
-            decode = ("e4m3 weights, bf16 activations: one request through the plugin's one-row "
-                      "FP8 GEMV, batched steps through vLLM Marlin W8A16" if one_row is None else
-                      "e4m3 weights, bf16 activations through vLLM Marlin W8A16 (one request "
-                      f"too: {one_row.describe()})")
-        # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.
-        why = (fp8.w8a8_available(device) if device != "cpu"
-               else fp8.NO_FP8.because("device is cpu"))
-        steps = ("W8A8 (torch._scaled_mm, e4m3 weights and per-row activation scales)"
-                 if why is None else f"unavailable: {why.describe()}")
-        report["fp8_weights"] = f"decode steps: {decode}; denoising steps: {steps}"
+        report["fp8_weights"] = fp8_report("cuda:0" if report.get("gpu") else "cpu")
     except Exception as exc:
         report["fp8_weights"] = f"unknown: {exc!r}"
     from . import loading
@@ -103,6 +87,27 @@ def doctor_report() -> dict:
         minor = ".".join(omni.split(".")[:2])
         report["this_install"] = {m: _support_for(h, minor) for m, h in hooks.items()}
     return report
+
+
+def fp8_report(device: str) -> str:
+    """doctor's FP8 line: which kernels read the e4m3 copies on ``device``, or why none can."""
+    from . import fp8, fp8_gemv
+
+    why = fp8.available(device)
+    if why is not None:
+        decode = f"unavailable: {why.describe()}"
+    else:
+        one_row = fp8_gemv.available(device)
+        decode = ("e4m3 weights, bf16 activations: one request through the plugin's one-row "
+                  "FP8 GEMV, batched steps through vLLM Marlin W8A16" if one_row is None else
+                  "e4m3 weights, bf16 activations through vLLM Marlin W8A16 (one request "
+                  f"too: {one_row.describe()})")
+    # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.
+    why = (fp8.w8a8_available(device) if device != "cpu"
+           else fp8.NO_FP8.because("device is cpu"))
+    steps = ("W8A8 (torch._scaled_mm, e4m3 weights and per-row activation scales)"
+             if why is None else f"unavailable: {why.describe()}")
+    return f"decode steps: {decode}; denoising steps: {steps}"
 
 
 def _support_for(matrix: dict, minor: str) -> str:
