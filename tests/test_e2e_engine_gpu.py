@@ -14,6 +14,10 @@ vllm-omni 0.26 loads the model in a spawned ``DiffusionWorker`` process, which l
 groups (``WorkerProc.worker_main`` -> ``load_omni_general_plugins``); the plugin's counters are
 read back through ``VLLM_OMNI_GRAPHDECODE_STATS_FILE``, one file per process (``{pid}``), and a
 file written by a pid other than the client's is the proof that the wiring happened in the worker.
+vllm-omni 0.30 runs a single diffusion stage inline (``InlineStageDiffusionClient``): the worker
+is the client process, and the file's pid is checked against the worker's log prefix instead.
+At the plugin's defaults 0.30's own paged decode stays in charge of SenseNova-U1's decode
+(``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer``), so there the plugin wires the denoising.
 
 What "the same output" means here:
 
