@@ -191,17 +191,30 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("env", [{}, {"VLLM_OMNI_GRAPHDECODE_FP8": "on"}], ids=["bf16", "fp8"])
 def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_path, env):  # noqa: F811
     """The batch-1 path and the batched path, bf16 and with FP8 weights (Marlin): two
-    processes, the same answers (issue #22: two engine runs parted at think token 693)."""
+    processes, the same answers (issue #22: two engine runs parted at think token 693). The two
+    run at the same time (the tiny checkpoint needs little of the GPU), which halves the test's
+    time: each process spends most of it importing the stack and capturing."""
     script = tmp_path / "answers.py"
     script.write_text(SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), ckpt=checkpoint))
-    runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, str(script), json.dumps(env)],
-                              capture_output=True, text=True,
-                              timeout=900, env=dict(os.environ))
-        line = next((l for l in proc.stdout.splitlines() if l.startswith("ANSWERS ")), None)
-        assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
-        runs.append(json.loads(line[len("ANSWERS "):]))
+    # Output to files, not pipes: a pipe nobody reads yet would stall the second process.
+    logs = [(tmp_path / f"out-{i}.txt", tmp_path / f"err-{i}.txt") for i in range(2)]
+    procs = []
+    try:
+        for out, err in logs:
+            with open(out, "w") as fo, open(err, "w") as fe:
+                procs.append(subprocess.Popen([sys.executable, str(script), json.dumps(env)],
+                                              stdout=fo, stderr=fe, env=dict(os.environ)))
+        runs = []
+        for proc, (out, err) in zip(procs, logs):
+            proc.wait(timeout=900)
+            stdout, stderr = out.read_text(), err.read_text()
+            line = next((l for l in stdout.splitlines() if l.startswith("ANSWERS ")), None)
+            assert line, stdout[-2000:] + stderr[-4000:]
+            runs.append(json.loads(line[len("ANSWERS "):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     assert runs[0] == runs[1]
     assert set(runs[0]) == {"1-0", "1-1", "4-0", "4-1"}
 
