@@ -273,14 +273,15 @@ def test_worker_stats_show_wiring_and_graph_replays_in_the_worker_process(runs, 
                  if any(f"graphdecode: {model}: " in w for w in s.get("wired", []))]
         assert len(wired) == 1, f"{case}: {model}: stats files {snaps}"
         snap = wired[0]
-        # The wiring happened in the process that runs the model: the one whose log lines carry
-        # the "(DiffusionWorker pid=N)" prefix. vllm-omni 0.26 spawns it apart from the client;
-        # 0.30 runs a single diffusion stage inline, in the client process (its
-        # InlineStageDiffusionClient), so there the two pids are one.
-        workers = {int(m) for line in _load_lines(run, model)
-                   for m in re.findall(r"\(DiffusionWorker pid=(\d+)\)", line)}
-        assert snap["pid"] in workers, f"{case}: {model}: stats pid {snap['pid']}, {workers}"
-        if not _omni_030(run):
+        # The wiring happened in the process that runs the model. vllm-omni 0.26 spawns it apart
+        # from the client. 0.30 runs a single diffusion stage inline, in the client process (its
+        # InlineStageDiffusionClient): there the stats file's pid is the one in the load line's
+        # "(DiffusionWorker pid=N)" prefix.
+        if _omni_030(run):
+            workers = {int(m) for line in _load_lines(run, model)
+                       for m in re.findall(r"\(DiffusionWorker pid=(\d+)\)", line)}
+            assert snap["pid"] in workers, f"{case}: {model}: stats pid {snap['pid']}, {workers}"
+        else:
             assert snap["pid"] != client_pid, f"{case}: {model} was wired in the client process"
         counters = snap["counters"]
         replays = f"{model}.replay"
