@@ -16,10 +16,9 @@
 #
 # The bundles are built here first (git-ignored; gone when this machine is fresh):
 # scripts/gpu/build_bundle.sh, scripts/gpu/build_serving_bundle.sh and build_serving_bundle.sh 030
-# (CONTRIBUTING.md). They
-# travel with `carry` as in fold_session.sh: p1 [.gpu-bundle], p2 [.gpu-bundle-2],
-# p3 [.gpu-bundle-3], p4 [.gpu-bundle-serve, .gpu-bundle-serve-030]. Each step's time limits
-# keep a call inside its 10 minutes with what it measured.
+# (CONTRIBUTING.md). They travel with `carry` as in fold_session.sh: p1 [.gpu-bundle],
+# p2 [.gpu-bundle-2], p3 [.gpu-bundle-3], p4 [.gpu-bundle-serve, .gpu-bundle-serve-030]. Each
+# step's time limits keep a call inside its 10 minutes with what it measured.
 set -uo pipefail
 what=${1:?usage: pool_session.sh p1|p2|p3|p4}
 here=$(cd "$(dirname "$0")/../.." && pwd)
