@@ -123,11 +123,13 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
     stream; (2) the caching allocator keeps the pool marked as recording, so every later capture
     into it fails with "already recording to mempool_id"; (3) the CUDA generator stays in capture
     mode, so every later random op on the device raises "Offset increment outside graph capture"
-    (all three seen on the H200, torch 2.11). Each is repaired here as far as Python reaches: the
-    device allocator's mark is ended, but torch's source of that era also marks the pool in the
-    pinned-host allocator at ``capture_begin``, which no Python binding ends. So the pool is also
-    replaced by a fresh private one, and the failed one is never captured into again; that it
-    was vLLM's global pool is what made vLLM's own captures fail after ours (module docstring).
+    (all three seen on the H200, torch 2.11). Each is repaired here as far as Python reaches:
+    the device allocator's mark is ended, but torch's ``CUDAGraph.cpp`` as published in 2026
+    also marks the pool in the pinned-host allocator at ``capture_begin``, which no Python
+    binding ends (``benchmarks/probes/capture_failure.py`` says which mark a given torch
+    leaves). So the pool is also replaced by a fresh private one and never captured into again;
+    that it was vLLM's global pool is what made vLLM's own captures fail after ours (module
+    docstring).
     """
     if not torch.cuda.is_available():  # the capture failed before touching a device
         return

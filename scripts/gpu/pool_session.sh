@@ -3,9 +3,11 @@
 # prepared in a session without device time: one machine, four device calls in a row (a machine
 # goes back after 30 s idle), each result packed into $OUT/results-STEP.tgz:
 #
-#   scripts/gpu/pool_session.sh p1   # .gpu-bundle, 0.26: the decode, denoising, Qwen-Image and
-#                                    # batch GPU files (every capture path, in the new pool;
-#                                    # the capture-failure test now captures into vLLM's pool)
+#   scripts/gpu/pool_session.sh p1   # .gpu-bundle, 0.26: benchmarks/probes/capture_failure.py
+#                                    # (which allocator keeps a failed capture's mark), then the
+#                                    # decode, denoising, Qwen-Image and batch GPU files (every
+#                                    # capture path, in the new pool; the capture-failure test
+#                                    # now captures into vLLM's pool)
 #   scripts/gpu/pool_session.sh p2   # .gpu-bundle-2 arrives (unpacked)
 #   scripts/gpu/pool_session.sh p3   # .gpu-bundle-3: 0.30; the decode file (the capture-failure
 #                                    # test's in-tree reference run), the batch file (its last
@@ -41,6 +43,11 @@ echo "start $(date +%T)" >"$res/summary.txt"
 case "$what" in
   p1)
     unpack
+    mkdir -p "$res/capture-failure-0.26"
+    PYTHONPATH="$here:/tmp/site-project:/tmp/site" timeout 60 python3 \
+      benchmarks/probes/capture_failure.py --out "$res/capture-failure-0.26" \
+      >"$res/capture-failure-0.26/log" 2>&1
+    echo "capture-failure-0.26: exit $? ($(date +%T))" >>"$res/summary.txt"
     suite 200 suite-0.26-decode tests/test_sensenova_gpu.py -q -rfE
     suite 150 suite-0.26-denoise-qwen "tests/test_sensenova_denoise_gpu.py \
 tests/test_qwen_image_21_gpu.py" -q -rfE
