@@ -104,7 +104,7 @@ def _pin_vllm_pool(device: torch.device) -> None:
         from vllm.platforms import current_platform
 
         pool = current_platform.get_global_graph_pool()
-    except ImportError:  # bare diffusers use without vLLM installed
+    except (ImportError, AttributeError):  # bare diffusers use; a platform without graphs
         return
     try:
         _anchors.append(_pin(pool, device))
