@@ -102,15 +102,20 @@ def _pin_vllm_pool(device: torch.device) -> None:
     _vllm_pinned.add(device.index)
     try:
         from vllm.platforms import current_platform
-
-        pool = current_platform.get_global_graph_pool()
-    except (ImportError, AttributeError):  # bare diffusers use; a platform without graphs
+    except ImportError:  # bare diffusers use without vLLM installed
+        return
+    # vLLM's Platform answers an attribute it lacks with None (and a warning), not an error.
+    get_pool = getattr(current_platform, "get_global_graph_pool", None)
+    if not callable(get_pool):
         return
     try:
-        _anchors.append(_pin(pool, device))
+        _anchors.append(_pin(get_pool(), device))
     except RuntimeError as exc:
-        stats.logger.warning("graphdecode: vLLM's CUDA graph pool could not take an anchor graph "
-                             "(%s); the plugin's graphs use their own pool and are unaffected",
+        # Not repaired here: a capture_begin that raised may have met a capture of vLLM's own,
+        # whose allocator mark and generator state are not the plugin's to end.
+        stats.logger.warning("graphdecode: vLLM's CUDA graph pool did not take the plugin's "
+                             "anchor graph (%s). The plugin's graphs are in a pool of their "
+                             "own; vLLM's own captures into its pool may fail as this one did",
                              exc)
 
 
@@ -127,7 +132,7 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
     the device allocator's mark is ended, but torch's ``CUDAGraph.cpp`` as published in 2026
     also marks the pool in the pinned-host allocator at ``capture_begin``, which no Python
     binding ends (``benchmarks/probes/capture_failure.py`` says which mark a given torch
-    leaves). So the pool is also replaced by a fresh private one and never captured into again;
+    leaves). So the pool is also dropped for a fresh private one and never captured into again;
     that it was vLLM's global pool is what made vLLM's own captures fail after ours (module
     docstring).
     """
@@ -150,9 +155,9 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
         pass
     with _lock:
         if _pools.get(index) is pool:
-            fresh = torch.cuda.graph_pool_handle()
-            _anchors.append(_pin(fresh, torch.device("cuda", index)))
-            _pools[index] = fresh
+            # The next capture's graph_pool() makes and pins a fresh one, inside that capture's
+            # own error handling (a pin that raised here would escape this repair).
+            del _pools[index]
 
 
 _warmup_streams: dict[int, object] = {}
@@ -177,12 +182,16 @@ def _index(device: torch.device | None) -> int:
 
 
 def _pin(pool, device: torch.device) -> tuple:
+    """One tiny graph captured into ``pool``, to be kept alive. If the capture raises, the
+    caller's stream is current again (the outer stream context); nothing else is undone."""
     x = torch.zeros(1, device=device)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local, as every capture here: vLLM's pool is not under CAPTURE_LOCK, and
+        # another thread's work must not invalidate this capture or be failed by it.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             x.add_(1)
     torch.cuda.current_stream(device).wait_stream(side)
     return graph, x

@@ -39,14 +39,13 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
 
 
-def _capture_into(pool, x: torch.Tensor, side, current) -> dict:
+def _capture_into(pool, x: torch.Tensor, side) -> dict:
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.stream(side):
             with torch.cuda.graph(graph, pool=pool):
                 x.add_(1)
-    except RuntimeError as exc:
-        torch.cuda.set_stream(current)  # a capture_begin that raised left its stream current
+    except RuntimeError as exc:  # the outer stream context gave the caller's stream back
         return {"ok": False, "error": _error(exc)}
     before = x.clone()
     graph.replay()
@@ -73,20 +72,25 @@ def main() -> None:
     side.wait_stream(current)
     failing = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(failing, pool=pool, capture_error_mode="thread_local"):
-                (x + 1).sum().item()  # a host sync: illegal while capturing
+        # As cuda_graphs._capture does it: no stream context around the capture's own, which
+        # would give the caller's stream back and hide whether a failure left the capture's.
+        with torch.cuda.graph(failing, pool=pool, capture_error_mode="thread_local"):
+            (x + 1).sum().item()  # a host sync: illegal while capturing
         result["capture_error"] = None
     except Exception as exc:  # noqa: BLE001 - what it raises is what is recorded
         result["capture_error"] = _error(exc)
     result["stream_left_on_capture_stream"] = torch.cuda.current_stream(device) != current
     torch.cuda.set_stream(current)
-    try:
-        torch._C._cuda_endAllocateToPool(device.index, pool)
-        result["device_allocator_mark_left"] = True
-    except RuntimeError as exc:
-        result["device_allocator_mark_left"] = False
-        result["device_allocator_end_error"] = _error(exc)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        result["device_allocator_mark_left"] = "unknown: no _cuda_endAllocateToPool in this torch"
+    else:
+        try:
+            end(device.index, pool)
+            result["device_allocator_mark_left"] = True
+        except RuntimeError as exc:
+            result["device_allocator_mark_left"] = False
+            result["device_allocator_end_error"] = _error(exc)
     try:
         generator = torch.cuda.default_generators[device.index]
         generator.graphsafe_set_state(generator.clone_state())
@@ -94,10 +98,10 @@ def main() -> None:
         result["generator_repair_error"] = _error(exc)
     del failing
     gc.collect()
-    same = _capture_into(pool, x, side, current)
+    same = _capture_into(pool, x, side)
     result["same_pool_takes_a_capture"] = same["ok"]
     result["same_pool_error"] = same.get("error")
-    other = _capture_into(torch.cuda.graph_pool_handle(), x, side, current)
+    other = _capture_into(torch.cuda.graph_pool_handle(), x, side)
     result["fresh_pool_takes_a_capture"] = other["ok"]
     result["fresh_pool_error"] = other.get("error")
     try:
