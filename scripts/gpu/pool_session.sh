@@ -23,32 +23,15 @@
 # up to at most 550 s, inside a call's 10 minutes with the unpacking.
 set -uo pipefail
 what=${1:?usage: pool_session.sh p1|p2|p3|p4}
-: "${OUT:?set by the device tool: the folder whose files come back}"
-here=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$here"
-res=/tmp/res-$what
-mkdir -p "$res"
-export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
-nvidia-smi >"$res/nvidia-smi.txt" 2>&1
-suite() {  # suite LIMIT DIR TESTS [pytest args...]
-  local limit=$1 dir=$2 tests=$3; shift 3
-  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
-    >"$res/$dir.out" 2>&1
-  echo "$dir: exit $? ($(date +%T))" >>"$res/summary.txt"
-}
-py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
-unpack() {
-  for u in .gpu-bundle*/unpack.py; do python3 "$u" >>"$res/unpack.log" 2>&1; done
-}
-echo "start $(date +%T)" >"$res/summary.txt"
+source "$(dirname "$0")/session_common.sh"
 case "$what" in
   p1)
     unpack
     mkdir -p "$res/capture-failure-0.26"
-    PYTHONPATH="$here:/tmp/site-project:/tmp/site" timeout 60 python3 \
+    PYTHONPATH=$py26 timeout 60 python3 \
       benchmarks/probes/capture_failure.py --out "$res/capture-failure-0.26" \
       >"$res/capture-failure-0.26/log" 2>&1
-    echo "capture-failure-0.26: exit $? ($(date +%T))" >>"$res/summary.txt"
+    stamp capture-failure-0.26
     suite 200 suite-0.26-decode tests/test_sensenova_gpu.py -q -rfE
     suite 150 suite-0.26-denoise-qwen "tests/test_sensenova_denoise_gpu.py \
 tests/test_qwen_image_21_gpu.py" -q -rfE
@@ -71,8 +54,7 @@ tests/test_qwen_image_21_gpu.py" -q -rfE
     PYTHONPATH=$py30 timeout 220 python3 benchmarks/sensenova_request.py \
       --out "$res/request-fp8-0.30" --size 1024 --steps 50 --cfg 4 --think both --denoise fast \
       --fp8 on --no-audit >"$res/request-fp8-0.30/stdout.jsonl" 2>"$res/request-fp8-0.30/stderr.log"
-    echo "request-fp8-0.30: exit $? ($(date +%T))" >>"$res/summary.txt"
+    stamp request-fp8-0.30
     ;;
 esac
-tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
-cat "$res/summary.txt"
+finish

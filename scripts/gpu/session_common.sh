@@ -1,0 +1,39 @@
+# Sourced by a session script (scripts/gpu/*_session.sh) after it sets `what` (its step's name):
+# the results folder /tmp/res-$what, the environment every GPU run here uses, and the helpers
+#   suite LIMIT DIR TESTS [pytest args...]   one or more GPU test files through run_suite.sh
+#   bench LIMIT DIR PYTHONPATH [bench.py args...]
+#   unpack                                   every carried .gpu-bundle* into /tmp/site*
+#   stamp NAME                               NAME's exit status and the time, in summary.txt
+# and the two stacks' PYTHONPATHs, py26 and py30. A step packs $res into $OUT at its end
+# (`finish`). The session scripts written before this file carry the same lines inline.
+: "${OUT:?set by the device tool: the folder whose files come back}"
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$here"
+res=/tmp/res-$what
+mkdir -p "$res"
+export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
+nvidia-smi >"$res/nvidia-smi.txt" 2>&1
+py26="$here:/tmp/site-project:/tmp/site"
+py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
+stamp() { echo "$1: exit $? ($(date +%T))" >>"$res/summary.txt"; }
+suite() {
+  local limit=$1 dir=$2 tests=$3; shift 3
+  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
+    >"$res/$dir.out" 2>&1
+  stamp "$dir"
+}
+bench() {
+  local limit=$1 dir=$2 pp=$3; shift 3
+  mkdir -p "$res/$dir"
+  PYTHONPATH=$pp timeout "$limit" python3 benchmarks/bench.py --out "$res/$dir" "$@" \
+    >"$res/$dir/stdout.json" 2>"$res/$dir/log"
+  stamp "$dir"
+}
+unpack() {
+  for u in .gpu-bundle*/unpack.py; do python3 "$u" >>"$res/unpack.log" 2>&1; done
+}
+finish() {
+  tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
+  cat "$res/summary.txt"
+}
+echo "start $(date +%T)" >"$res/summary.txt"
