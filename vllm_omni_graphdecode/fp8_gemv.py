@@ -169,7 +169,9 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
-    grid = (_cdiv(n, cfg.block_n), m)
+    import triton
+
+    grid = (triton.cdiv(n, cfg.block_n), m)
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
         out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
@@ -196,10 +198,6 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     if residual is not None:
         out = (residual.float() + out.float()).to(x.dtype)
     return out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 _KERNEL = None
