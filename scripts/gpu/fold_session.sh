@@ -18,31 +18,7 @@
 # has its own time limit so that a call ends inside its 10 minutes with what it measured.
 set -uo pipefail
 what=${1:?usage: fold_session.sh k1|k2|k3|k4|k5}
-here=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$here"
-res=/tmp/res-$what
-mkdir -p "$res"
-export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
-nvidia-smi >"$res/nvidia-smi.txt" 2>&1
-suite() {  # suite LIMIT DIR TESTS [pytest args...]
-  local limit=$1 dir=$2 tests=$3; shift 3
-  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
-    >"$res/$dir.out" 2>&1
-  echo "$dir: exit $? ($(date +%T))" >>"$res/summary.txt"
-}
-bench() {  # bench LIMIT DIR PYTHONPATH [bench.py args...]
-  local limit=$1 dir=$2 pp=$3; shift 3
-  mkdir -p "$res/$dir"
-  PYTHONPATH=$pp timeout "$limit" python3 benchmarks/bench.py --out "$res/$dir" "$@" \
-    >"$res/$dir/stdout.json" 2>"$res/$dir/log"
-  echo "$dir: exit $? ($(date +%T))" >>"$res/summary.txt"
-}
-py26="$here:/tmp/site-project:/tmp/site"
-py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
-unpack() {
-  for u in .gpu-bundle*/unpack.py; do python3 "$u" >>"$res/unpack.log" 2>&1; done
-}
-echo "start $(date +%T)" >"$res/summary.txt"
+source "$(dirname "$0")/session_common.sh"
 case "$what" in
   k1)
     unpack
@@ -78,8 +54,7 @@ tests/test_qwen_image_bench.py" -q -rfE
     PYTHONPATH=$py30 timeout 190 python3 benchmarks/sensenova_request.py \
       --out "$res/request-fp8-0.30" --size 1024 --steps 50 --cfg 4 --think both --denoise fast \
       --fp8 on --no-audit >"$res/request-fp8-0.30/stdout.jsonl" 2>"$res/request-fp8-0.30/stderr.log"
-    echo "request-fp8-0.30: exit $? ($(date +%T))" >>"$res/summary.txt"
+    stamp request-fp8-0.30
     ;;
 esac
-tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"
-cat "$res/summary.txt"
+finish

@@ -5,7 +5,7 @@
 #   unpack                                   every carried .gpu-bundle* into /tmp/site*
 #   stamp NAME                               NAME's exit status and the time, in summary.txt
 # and the two stacks' PYTHONPATHs, py26 and py30. A step packs $res into $OUT at its end
-# (`finish`). The session scripts written before this file carry the same lines inline.
+# (`finish`). The session scripts written before fold_session.sh carry the same lines inline.
 : "${OUT:?set by the device tool: the folder whose files come back}"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$here"
