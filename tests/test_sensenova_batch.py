@@ -411,13 +411,20 @@ def test_release_mid_batch_hands_the_rows_back_and_the_next_forward_batches_agai
     assert stats.get(MODEL, "batch_launch") > launches and decoder.cache.num_blocks > 0
 
 
-def test_a_failed_capture_hands_the_rows_back_with_their_tokens(checkpoint, monkeypatch):
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_failed_capture_hands_the_rows_back_with_their_tokens(checkpoint, monkeypatch, failing):
+    """The batch's ``failing``-th launch fails its capture: the first, or the second, after the
+    first served tokens (each row goes on eagerly from exactly the tokens it was fed)."""
     pipe = _pipeline(checkpoint)
     requests = _text_requests()
     want = [_answer(pipe.forward(_batch([r]))) for r in requests]
+    real, calls = batch_decode.BatchProgram.run, []
 
     def run(self, *, graphs):
-        raise CaptureFailed("RuntimeError: capture failed (test)")
+        calls.append(1)
+        if len(calls) == failing:
+            raise CaptureFailed("RuntimeError: capture failed (test)")
+        return real(self, graphs=graphs)
 
     monkeypatch.setattr(batch_decode.BatchProgram, "run", run)
     outs = [_answer(o) for o in pipe.forward(_batch(requests))]

@@ -488,6 +488,49 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
     assert stats.get(MODEL, "replay") > 0
 
 
+@pytest.mark.parametrize("collector", ["off-while-recording", "left-on"])
+def test_gpu_a_dead_graph_collected_during_a_capture(gpu, monkeypatch, collector):
+    """While a graph records, a CUDA graph becomes garbage in a reference cycle and the collector
+    runs (thresholds at 1: at the capture's next allocation). Destroying a graph is illegal while
+    this thread captures: with the collector left on (``_recording`` made a no-op) the capture
+    fails, repaired (as in the H200 decode-file run of 2026-12-02, where a dropped test
+    pipeline's graphs were collected inside a decode capture); as shipped, the collector is off
+    while recording, the capture succeeds and the garbage goes after it."""
+    import contextlib
+
+    if collector == "left-on":
+        monkeypatch.setattr(cuda_graphs, "_recording", contextlib.nullcontext)
+    device = torch.device("cuda")
+    x = torch.zeros(4, device=device)
+    # One graph dies in each warm-up and in the recording.
+    graphs = [cuda_graphs.capture(lambda: x * 2, device).graph
+              for _ in range(cuda_graphs.WARMUPS + 1)]
+
+    def step():
+        holder = SimpleNamespace(graph=graphs.pop())
+        holder.cycle = holder  # young garbage that only the cyclic collector frees
+        del holder
+        junk = [SimpleNamespace() for _ in range(64)]  # allocations: the collector's trigger
+        return x + len(junk)
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        if collector == "left-on":
+            with pytest.raises(cuda_graphs.CaptureFailed):
+                cuda_graphs.capture(step, device)
+            return
+        captured = cuda_graphs.capture(step, device)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled() and not graphs
+    x.fill_(1)
+    captured.graph.replay()
+    assert captured.output.tolist() == [65.0] * 4
+    gc.collect()  # the recording's garbage, a graph in it, goes now, outside any capture
+    torch.cuda.synchronize()
+
+
 def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, monkeypatch):
     """Request A holds the paged path and is capturing; request B starts on the same pipeline
     from another thread at that moment. B's prefill runs beside A's capture; B's decode loop

@@ -4,6 +4,8 @@ On CPU with the reference attention as the kernel; the GPU-marked tests capture 
 attention step with the kernel the plugin selects there.
 """
 
+import gc
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -139,6 +141,30 @@ def test_runner_capture_failure_is_a_capture_error_and_keeps_nothing():
     with pytest.raises(cuda_graphs.CaptureFailed):
         runner.step()
     assert runner.num_graphs == 0 and stats.get("m", "capture") == 0
+
+
+def test_the_collector_is_off_while_a_graph_records_and_as_it_was_after():
+    """``cuda_graphs._recording``: no cyclic collection inside a capture (a collected graph
+    would fail it), the collector's state restored after, also when the capture raises and
+    when a caller had it off."""
+    assert gc.isenabled()
+    with cuda_graphs._recording():
+        assert not gc.isenabled()
+        with cuda_graphs._recording():  # nested: the outer capture's state is the one kept
+            pass
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with cuda_graphs._recording():
+            raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graphs._recording():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_release_drops_buffers_and_moves_the_generation():

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, kernels, paged_decode, paged_tiers, stats
+from vllm_omni_graphdecode import config, kernels, paged_decode, paged_tiers, stats, token_loop
+from vllm_omni_graphdecode.cuda_graphs import CaptureFailed
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.testing import random_models as st
 from vllm_omni_graphdecode.token_loop import Sampling, pick
@@ -233,6 +234,31 @@ def test_out_of_memory_growing_inside_launches_hands_back_every_fed_token(tiny, 
     pipe = _pipeline(tiny, 8)
     _same_think(st.run_think(pipe, tiny.ids, STEPS), eager.think)
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.OOM}": 1}
+    assert stats.get(MODEL, "eager_step") == STEPS - (32 - PROMPT)
+
+
+@pytest.mark.parametrize("failing", [2, 3])
+def test_a_failed_capture_inside_launches_hands_back_exactly_the_fed_tokens(tiny, eager, failing,
+                                                                           monkeypatch):
+    """The ``failing``-th launch's capture fails, both at the first token of bucket 64 (launch 1
+    fills bucket 32 but its last 4 tokens, which go one at a time): launch 2's own (nothing
+    served from it yet), or launch 3's, chained behind launch 2 while launch 2 serves its first
+    token. Either way the request goes on eagerly from the tokens fed before that token, without
+    feeding it twice (on the H200 a chained capture that failed left the served token in the
+    cache, the eager loop fed it again, and the text ran into one repeated word)."""
+    real, calls = token_loop.TokenProgram.forward, []
+
+    def forward(self):
+        calls.append(1)
+        if len(calls) == failing:
+            raise CaptureFailed("AcceleratorError: capture failed (test)")
+        return real(self)
+
+    monkeypatch.setattr(token_loop.TokenProgram, "forward", forward)
+    pipe = _pipeline(tiny, 8)
+    _same_think(st.run_think(pipe, tiny.ids, STEPS), eager.think)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.CAPTURE_FAILED}": 1}
+    assert stats.get(MODEL, "token_launch") == failing - 1
     assert stats.get(MODEL, "eager_step") == STEPS - (32 - PROMPT)
 
 

@@ -22,6 +22,16 @@ capture routine with recovery, one verify comparison.
 4. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
    ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
 
+While a graph records, Python's cyclic garbage collector is off (``_recording``). torch no longer
+collects before a capture (its ``torch.cuda.graph`` does only under
+``torch.compiler.config.force_cudagraph_gc``), so a collection that the capture's own Python
+allocations start may free a dead object holding a CUDA graph, say a dropped pipeline's runner in
+a reference cycle. Destroying a graph is illegal while this thread captures, and the capture is
+lost: on the H200 (torch 2.11) a decode capture failed with "operation failed due to a previous
+error during capture" after three "operation not permitted when stream is capturing (function
+reset)" warnings, one test after tests that had dropped pipelines with their graphs (results
+h200-2026-12-02). The garbage is collected after the capture instead.
+
 All of it under ``CAPTURE_LOCK``, the one capture lock of the process: the warm-up stream, the
 pool, the generator's state and a failed capture's repair are process-wide, so two captures (a
 decode graph and a denoising graph in two threads) must never overlap, and a repair must never
@@ -59,7 +69,9 @@ graphs and those requests passed (h200-2026-12-01g ``serve-0.30/``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import threading
 from typing import Callable
 
@@ -188,7 +200,7 @@ def _pin(pool, device: torch.device) -> tuple:
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), _recording():
         # thread_local, as every capture here: vLLM's pool is not under CAPTURE_LOCK, and
         # another thread's work must not invalidate this capture or be failed by it.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -256,7 +268,7 @@ def _capture(fn, device, pool, warmups) -> Captured:
         graph = torch.cuda.CUDAGraph()
         # Entering synchronizes the device, so the warm-up's reference is complete before
         # anything else reads it.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with _recording(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             output = fn()
     except Exception as exc:
         graph = None
@@ -265,6 +277,19 @@ def _capture(fn, device, pool, warmups) -> Captured:
         raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
     _restore_rng(rng, device)
     return Captured(graph, output, reference)
+
+
+@contextlib.contextmanager
+def _recording():
+    """No cyclic garbage collection while a graph records (see the module docstring); the
+    collector's state before it is restored after, also when the capture raises."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _restore_rng(state, device) -> None:

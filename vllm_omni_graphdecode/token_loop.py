@@ -259,7 +259,21 @@ class Lookahead:
         return self._served.logits(token, self.vocab)
 
     def next(self, token: int, position: int) -> int:
-        """The loop feeds ``token`` at ``position``: returns the token that follows it."""
+        """The loop feeds ``token`` at ``position``: returns the token that follows it.
+
+        On an exception nothing of this call is kept: the cache's valid length is the one it
+        had before ``token`` (a launch chained behind the one that serves ``token`` can fail its
+        capture after that one was kept), since the eager loop that takes over feeds ``token``
+        again."""
+        length, fed = self._cache().length, self.fed_total
+        try:
+            return self._next(token, position)
+        except BaseException:
+            self._cache().keep(length)
+            self.fed_total = fed
+            raise
+
+    def _next(self, token: int, position: int) -> int:
         self.fed_total += 1
         cur = self.current
         if cur is not None:
