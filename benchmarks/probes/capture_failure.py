@@ -11,8 +11,10 @@ allocator at ``capture_begin``, and ends both marks only after ``cudaStreamEndCa
 succeeds. The device mark can be ended from Python (``torch._C._cuda_endAllocateToPool``, which
 the repair calls); no binding ends the host one. On the H200 (torch 2.11), after the plugin's
 failed capture and its repair, a capture into the same pool raised "beginAllocateToPool: already
-recording to mempool_id"; that is why the plugin's graphs left vLLM's global pool. This probe
-says which mark was left.
+recording to mempool_id" (the plugin's graphs then shared vLLM's global pool, so vLLM's own next
+capture failed). This probe says which mark was left. On the H200 (torch 2.11, results
+h200-2026-12-02): the device mark was ended from Python and the pool still refused a capture; a
+fresh pool took one.
 
 Steps, each recorded: fail a capture into a fresh pinned pool; is this thread's stream still the
 capture stream; does ending the device allocator's mark succeed (it was left) or raise (it was
