@@ -9,7 +9,7 @@ capture routine with recovery, one verify comparison.
    allocations must not happen inside the capture). The second warm-up runs exactly what the
    capture records, with whatever the first one cached in place; its output is the eager
    reference verify mode may compare a replay with.
-2. Capture ``fn`` into the plugin's graph pool, with ``capture_error_mode="thread_local"``:
+2. Capture ``fn`` into vLLM's global graph pool, with ``capture_error_mode="thread_local"``:
    another thread's CUDA work (a second request running eagerly on the same model, another
    model's step) neither joins the capture nor invalidates it. torch's default, ``"global"``,
    made such a thread fail with "operation not permitted when stream is capturing" and the
@@ -37,34 +37,29 @@ pool, the generator's state and a failed capture's repair are process-wide, so t
 decode graph and a denoising graph in two threads) must never overlap, and a repair must never
 swap the pool under another capture. Replays take no lock.
 
-The memory pools:
+The memory pool:
 
-One pool per device for every graph the plugin captures (a private one, ``graph_pool()``):
-replays are serialized on one stream, so intermediates of different graphs may share memory and
-memory does not grow with each capture. A private pool per runner grew ~40 MiB per request
-upstream.
+One pool, vLLM's global one (``current_platform.get_global_graph_pool()``): replays are serialized
+on one stream, so intermediates of different graphs may share memory and memory does not grow
+with each capture. A private pool per runner grew ~40 MiB per request upstream.
 
-Not vLLM's global pool (``current_platform.get_global_graph_pool()``), which the plugin's graphs
-shared before: a capture that fails at ``capture_end`` leaves its pool marked as recording, and
-the repair cannot be shown to clear every mark (``recover_failed_capture``). On the H200 (torch
-2.11, vllm-omni 0.30), right after one of the plugin's captures failed, vllm-omni's in-tree
-decode failed its next capture into vLLM's global pool with "beginAllocateToPool: already
-recording to mempool_id", where every earlier one in that process had passed (results
-h200-2026-12-01i, ``test_sensenova_gpu.log``). The plugin's pool is replaced after a failure;
-vLLM's cannot be, so the plugin no longer records into it. What the two no longer share is the
-in-tree decode's per-token intermediates, on 0.30 with the in-tree decode in charge.
-
-Why the pools are pinned. The caching allocator counts the graphs alive in a pool; when the last
+Why the pool is pinned. The caching allocator counts the graphs alive in a pool; when the last
 one is destroyed the count drops to 0 but the pool lingers until its blocks are freed, and the
 next capture into the same pool id then trips ``use_count > 0 INTERNAL ASSERT`` (seen on the H200
 with torch 2.11: after it, every capture in the process failed, and the CUDA generator was left
 mid-capture, so even ``torch.randn`` raised). vLLM never destroys its graphs; this plugin does
 (bucket growth, LRU eviction, sleep, verify mismatch). So the first use captures one tiny graph
-into the pool and keeps it for the life of the process: the count never reaches 0. vLLM's global
-pool gets such an anchor too, as it did while the plugin's graphs lived in it: vllm-omni 0.30's
-in-tree decode frees its graphs when a request outgrows its buffers, and on torch 2.11 its next
-capture then tripped the same assert (plugin off); with the plugin on, the pool held the plugin's
-graphs and those requests passed (h200-2026-12-01g ``serve-0.30/``).
+into the pool and keeps it for the life of the process: the count never reaches 0.
+
+What is left open. A capture that fails leaves vLLM's pool marked as recording in a way Python
+cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of
+the plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
+"beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). Moving the
+plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping only an anchor) was tried
+and taken back: with it, vllm-omni 0.30's in-tree decode did not come back from its first
+capture's warm-up in the decode GPU file (over 100 s, inside FlashAttention's call; the whole
+file had taken 137 s), and the 0.30 engine file ran past its 200 s limit (63 s before), where
+both had run with the graphs here (results h200-2026-12-02). Why is not yet measured.
 """
 
 from __future__ import annotations
@@ -77,8 +72,6 @@ from typing import Callable
 
 import torch
 
-from . import stats
-
 WARMUPS = 2
 
 _lock = threading.Lock()
@@ -87,48 +80,24 @@ _lock = threading.Lock()
 # captures a graph from inside another's warm-up (none does) would then not deadlock.
 CAPTURE_LOCK = threading.RLock()
 _pools: dict[int, object] = {}  # device index -> the pool captures go to now
-_vllm_pinned: set[int] = set()  # devices whose vLLM global pool has its anchor
 _anchors: list[tuple] = []
 
 
 def graph_pool(device: torch.device | None = None):
-    """The plugin's graph pool on the device (private, pinned; a fresh one after a failed
-    capture). Its first call also pins vLLM's global pool (see the module docstring)."""
+    """vLLM's global graph pool (a private one without vLLM, or after a failed capture), pinned."""
     index = _index(device)
     with _lock:
         pool = _pools.get(index)
         if pool is None:
-            where = torch.device("cuda", index)
-            _pin_vllm_pool(where)
-            pool = torch.cuda.graph_pool_handle()
-            _anchors.append(_pin(pool, where))
+            try:
+                from vllm.platforms import current_platform
+
+                pool = current_platform.get_global_graph_pool()
+            except ImportError:  # bare diffusers use without vLLM installed
+                pool = torch.cuda.graph_pool_handle()
+            _anchors.append(_pin(pool, torch.device("cuda", index)))
             _pools[index] = pool
         return pool
-
-
-def _pin_vllm_pool(device: torch.device) -> None:
-    """Keep one graph alive in vLLM's global pool, once per device; skipped without vLLM, and
-    where vLLM's pool cannot take a capture (its own failure is vLLM's to report, not ours)."""
-    if device.index in _vllm_pinned:
-        return
-    _vllm_pinned.add(device.index)
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:  # bare diffusers use without vLLM installed
-        return
-    # vLLM's Platform answers an attribute it lacks with None (and a warning), not an error.
-    get_pool = getattr(current_platform, "get_global_graph_pool", None)
-    if not callable(get_pool):
-        return
-    try:
-        _anchors.append(_pin(get_pool(), device))
-    except RuntimeError as exc:
-        # Not repaired here: a capture_begin that raised may have met a capture of vLLM's own,
-        # whose allocator mark and generator state are not the plugin's to end.
-        stats.logger.warning("graphdecode: vLLM's CUDA graph pool did not take the plugin's "
-                             "anchor graph (%s). The plugin's graphs are in a pool of their "
-                             "own; vLLM's own captures into its pool may fail as this one did",
-                             exc)
 
 
 def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
@@ -140,13 +109,8 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
     stream; (2) the caching allocator keeps the pool marked as recording, so every later capture
     into it fails with "already recording to mempool_id"; (3) the CUDA generator stays in capture
     mode, so every later random op on the device raises "Offset increment outside graph capture"
-    (all three seen on the H200, torch 2.11). Each is repaired here as far as Python reaches:
-    the device allocator's mark is ended, but torch's ``CUDAGraph.cpp`` as published in 2026
-    also marks the pool in the pinned-host allocator at ``capture_begin``, which no Python
-    binding ends (``benchmarks/probes/capture_failure.py`` says which mark a given torch
-    leaves). So the pool is also dropped for a fresh private one and never captured into again;
-    that it was vLLM's global pool is what made vLLM's own captures fail after ours (module
-    docstring).
+    (all three seen on the H200, torch 2.11). Each is repaired here; the pool is also replaced by a
+    fresh private one, since what else torch left half-done in it cannot be checked.
     """
     if not torch.cuda.is_available():  # the capture failed before touching a device
         return
@@ -167,9 +131,9 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
         pass
     with _lock:
         if _pools.get(index) is pool:
-            # The next capture's graph_pool() makes and pins a fresh one, inside that capture's
-            # own error handling (a pin that raised here would escape this repair).
-            del _pools[index]
+            fresh = torch.cuda.graph_pool_handle()
+            _anchors.append(_pin(fresh, torch.device("cuda", index)))
+            _pools[index] = fresh
 
 
 _warmup_streams: dict[int, object] = {}
@@ -194,16 +158,12 @@ def _index(device: torch.device | None) -> int:
 
 
 def _pin(pool, device: torch.device) -> tuple:
-    """One tiny graph captured into ``pool``, to be kept alive. If the capture raises, the
-    caller's stream is current again (the outer stream context); nothing else is undone."""
     x = torch.zeros(1, device=device)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side), _recording():
-        # thread_local, as every capture here: vLLM's pool is not under CAPTURE_LOCK, and
-        # another thread's work must not invalidate this capture or be failed by it.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool):
             x.add_(1)
     torch.cuda.current_stream(device).wait_stream(side)
     return graph, x
