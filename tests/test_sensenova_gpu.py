@@ -489,9 +489,13 @@ def test_gpu_a_dead_graph_collected_during_a_capture(gpu, monkeypatch, collector
     if collector == "left-on":
         monkeypatch.setattr(cuda_graphs, "_recording", contextlib.nullcontext)
     device = torch.device("cuda")
+    # A pool of the test's own: a capture that fails leaves its pool refusing captures
+    # (h200-2026-12-02 capture-failure-0.26), and vLLM's, the plugin's, serves the later tests.
+    pool = torch.cuda.graph_pool_handle()
+    anchor = cuda_graphs._pin(pool, device)  # as the plugin's pools: never without a graph
     x = torch.zeros(4, device=device)
     # One graph dies in each warm-up and in the recording.
-    graphs = [cuda_graphs.capture(lambda: x * 2, device).graph
+    graphs = [cuda_graphs.capture(lambda: x * 2, device, pool=pool).graph
               for _ in range(cuda_graphs.WARMUPS + 1)]
 
     def step():
@@ -506,9 +510,9 @@ def test_gpu_a_dead_graph_collected_during_a_capture(gpu, monkeypatch, collector
     try:
         if collector == "left-on":
             with pytest.raises(cuda_graphs.CaptureFailed):
-                cuda_graphs.capture(step, device)
+                cuda_graphs.capture(step, device, pool=pool)
             return
-        captured = cuda_graphs.capture(step, device)
+        captured = cuda_graphs.capture(step, device, pool=pool)
     finally:
         gc.set_threshold(*thresholds)
     assert gc.isenabled() and not graphs
@@ -517,6 +521,7 @@ def test_gpu_a_dead_graph_collected_during_a_capture(gpu, monkeypatch, collector
     assert captured.output.tolist() == [65.0] * 4
     gc.collect()  # the recording's garbage, a graph in it, goes now, outside any capture
     torch.cuda.synchronize()
+    del anchor
 
 
 def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, monkeypatch):
