@@ -52,14 +52,16 @@ mid-capture, so even ``torch.randn`` raised). vLLM never destroys its graphs; th
 into the pool and keeps it for the life of the process: the count never reaches 0.
 
 What is left open. A capture that fails leaves vLLM's pool marked as recording in a way Python
-cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of
-the plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
-"beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). Moving the
-plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping only an anchor) was tried
-and taken back: with it, vllm-omni 0.30's in-tree decode did not come back from its first
-capture's warm-up in the decode GPU file (over 100 s, inside FlashAttention's call; the whole
-file had taken 137 s), and the 0.30 engine file ran past its 200 s limit (63 s before), where
-both had run with the graphs here (results h200-2026-12-02). Why is not yet measured.
+cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of the
+plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
+"beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). That is torch's:
+``capture_end`` raised before it ended the pool's marks, fixed in pytorch/pytorch#180395 (April
+2026, on the 2.12 release branch); vllm 0.30 pins torch 2.13, the GPU host runs 2.11. Moving the
+plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping only an anchor) was tried and
+taken back: with it, vllm-omni 0.30's in-tree decode did not come back from its first capture's
+warm-up in the decode GPU file (over 100 s, inside FlashAttention's call; the whole file had taken
+137 s), and the 0.30 engine file ran past its 200 s limit (63 s before), where both had run with
+the graphs here (results h200-2026-12-02). Why is not yet measured.
 """
 
 from __future__ import annotations
