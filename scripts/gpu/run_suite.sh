@@ -72,7 +72,11 @@ for group in ("vllm.general_plugins", "vllm_omni.general_plugins"):
 PY
 "$py" -m vllm_omni_graphdecode doctor >"$results/doctor-$tag.txt" 2>&1 || rc=1
 if [ "$what" = tests ] || [ "$what" = all ]; then
+  # A test still running after GRAPHDECODE_FAULTHANDLER_S seconds (default 120; 0: never) gets
+  # every thread's Python stack in the log, so that a run cut by a time limit says where it was
+  # (the 0.30 decode file in h200-2026-12-02 left only its dots until one was asked for).
   "$py" -m pytest -m gpu -p no:cacheprovider -ra --junitxml="$results/gpu-tests-$tag.xml" \
+    -o faulthandler_timeout="${GRAPHDECODE_FAULTHANDLER_S:-120}" \
     "$@" ${GRAPHDECODE_TESTS:-"$here/tests"} 2>&1 | tee "$results/gpu-tests-$tag.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

@@ -3,6 +3,7 @@
 #   suite LIMIT DIR TESTS [pytest args...]   one or more GPU test files through run_suite.sh
 #   bench LIMIT DIR PYTHONPATH [bench.py args...]
 #   unpack                                   every carried .gpu-bundle* into /tmp/site*
+#   reap                                     what a cut engine or serving test left running
 #   stamp NAME                               NAME's exit status and the time, in summary.txt
 # and the two stacks' PYTHONPATHs, py26 and py30. A step packs $res into $OUT at its end
 # (`finish`). The session scripts written before fold_session.sh carry the same lines inline.
@@ -17,10 +18,30 @@ py26="$here:/tmp/site-project:/tmp/site"
 py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
 stamp() { echo "$1: exit $? ($(date +%T))" >>"$res/summary.txt"; }
 suite() {
+  # The engine and serving tests write each run's log into $res/DIR/e2e or serve-out as it goes
+  # (unless the caller named a folder), so that a run cut by LIMIT still brings its logs back.
   local limit=$1 dir=$2 tests=$3; shift 3
-  GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
+  mkdir -p "$res/$dir"
+  GRAPHDECODE_E2E_OUT="${GRAPHDECODE_E2E_OUT:-$res/$dir/e2e}" \
+    GRAPHDECODE_SERVE_OUT="${GRAPHDECODE_SERVE_OUT:-$res/$dir/serve-out}" \
+    GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
     >"$res/$dir.out" 2>&1
   stamp "$dir"
+  reap
+}
+reap() {
+  # The engine runners and servers run in sessions of their own, out of reach of `timeout`'s
+  # kill: after a cut, they (and the workers they spawned) went on beside the next step (in
+  # h200-2026-12-02, p4's engine runs beside its request benchmark). Kill each one's group.
+  local pid group mine
+  mine=$(ps -o pgid= -p $$ | tr -d ' ')
+  for pid in $(pgrep -f "$here/tests/e2e_|--omni"); do
+    group=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    if [ -n "$group" ] && [ "$group" != "$mine" ]; then
+      kill -9 -- "-$group" 2>/dev/null
+    fi
+  done
+  true
 }
 bench() {
   local limit=$1 dir=$2 pp=$3; shift 3
