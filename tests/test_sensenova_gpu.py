@@ -444,10 +444,10 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
     """A host sync inside the captured step makes the capture fail. The request is handed back
     and equals the eager pipeline; then the three things a failed capture leaves broken are
     checked: the thread's stream is the one it was, ``torch.randn`` on the device works (the CUDA
-    generator left capture mode), and a later capture succeeds (the pool is usable). On vllm-omni
-    0.30 the reference run's in-tree decode captures into vLLM's global pool, which the failed
-    capture left marked: it fails there with "already recording to mempool_id" (h200-2026-12-01i;
-    ``cuda_graphs``' docstring, what is left open)."""
+    generator left capture mode), and a later capture succeeds (in a fresh pool). The eager
+    reference runs first: on vllm-omni 0.30 its in-tree decode captures into vLLM's global pool,
+    which a failed capture leaves refusing captures on torch 2.11 ("already recording to
+    mempool_id", h200-2026-12-01i; ``cuda_graphs``' docstring, what is left open)."""
     real_forward = step_mod.Step.forward
 
     def forward_with_a_sync(self, cache):
@@ -457,13 +457,13 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
         return out
 
     stream = torch.cuda.current_stream()
+    want = _think(_pipe(gpu, cfg=False), gpu.ids, 80)
     pipe = _pipe(gpu, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
     monkeypatch.setattr(step_mod.Step, "forward", forward_with_a_sync)
     got = _think(pipe, gpu.ids, 80)
     monkeypatch.setattr(step_mod.Step, "forward", real_forward)
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.CAPTURE_FAILED}": 1}
-    _same_tokens_up_to_a_tie(got, _think(_pipe(gpu, cfg=False), gpu.ids, 80), tie=TIE,
-                             logit_tol=0.25)
+    _same_tokens_up_to_a_tie(got, want, tie=TIE, logit_tol=0.25)
     assert torch.cuda.current_stream() == stream
     torch.randn(16, device="cuda").sum().item()
     x = torch.zeros(4, device="cuda")

@@ -55,13 +55,15 @@ What is left open. A capture that fails leaves vLLM's pool marked as recording i
 cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of the
 plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
 "beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). That is torch's:
-``capture_end`` raised before it ended the pool's marks, fixed in pytorch/pytorch#180395 (April
-2026, on the 2.12 release branch); vllm 0.30 pins torch 2.13, the GPU host runs 2.11. Moving the
-plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping only an anchor) was tried and
-taken back: with it, vllm-omni 0.30's in-tree decode did not come back from its first capture's
-warm-up in the decode GPU file (over 100 s, inside FlashAttention's call; the whole file had taken
-137 s), and the 0.30 engine file ran past its 200 s limit (63 s before), where both had run with
-the graphs here (results h200-2026-12-02). Why is not yet measured.
+``capture_end`` raised before it ended the pool's marks. pytorch/pytorch#180395 (April 2026, on the
+2.12 release branch) fixes it where ``cudaStreamEndCapture`` itself fails, as here; a failure
+before the end is pytorch/pytorch#190308 (open in July 2026). vllm 0.30 pins torch 2.13, the GPU host
+runs 2.11. Moving the plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping only an
+anchor) was tried and taken back: with it, vllm-omni 0.30's in-tree decode did not come back from
+its first capture's warm-up in the decode GPU file (inside FlashAttention's call 40 s in, still
+there when the run's time limit ended it; the whole file had taken 137 s), and the 0.30 engine file
+ran past its 200 s limit (63 s before), where both had run with the graphs here (results
+h200-2026-12-02). Why is not yet measured.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ _lock = threading.Lock()
 CAPTURE_LOCK = threading.RLock()
 _pools: dict[int, object] = {}  # device index -> the pool captures go to now
 _anchors: list[tuple] = []
+# ``_pools``' value after a failed capture: the next capture makes a fresh private pool (and pins
+# it there, inside that capture's own error handling).
+_FRESH = object()
 
 
 def graph_pool(device: torch.device | None = None):
@@ -90,16 +95,23 @@ def graph_pool(device: torch.device | None = None):
     index = _index(device)
     with _lock:
         pool = _pools.get(index)
-        if pool is None:
-            try:
-                from vllm.platforms import current_platform
-
-                pool = current_platform.get_global_graph_pool()
-            except ImportError:  # bare diffusers use without vLLM installed
-                pool = torch.cuda.graph_pool_handle()
+        if pool is None or pool is _FRESH:
+            pool = _vllm_pool() if pool is None else torch.cuda.graph_pool_handle()
             _anchors.append(_pin(pool, torch.device("cuda", index)))
             _pools[index] = pool
         return pool
+
+
+def _vllm_pool():
+    """vLLM's global graph pool, or a private one without vLLM (bare diffusers) or on a platform
+    without one (vLLM's Platform answers an attribute it lacks with None, not an error)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return torch.cuda.graph_pool_handle()
+    get_pool = getattr(current_platform, "get_global_graph_pool", None)
+    pool = get_pool() if callable(get_pool) else None
+    return torch.cuda.graph_pool_handle() if pool is None else pool
 
 
 def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
@@ -133,9 +145,8 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
         pass
     with _lock:
         if _pools.get(index) is pool:
-            fresh = torch.cuda.graph_pool_handle()
-            _anchors.append(_pin(fresh, torch.device("cuda", index)))
-            _pools[index] = fresh
+            # Not pinned here: a pin that raised would escape this repair.
+            _pools[index] = _FRESH
 
 
 _warmup_streams: dict[int, object] = {}
@@ -244,7 +255,11 @@ def _capture(fn, device, pool, warmups) -> Captured:
 @contextlib.contextmanager
 def _recording():
     """No cyclic garbage collection while a graph records (see the module docstring); the
-    collector's state before it is restored after, also when the capture raises."""
+    collector's state before it is restored after, also when the capture raises.
+
+    The switch is process-wide, so two recordings in two threads could restore it out of order:
+    every capture here runs under ``CAPTURE_LOCK`` (``_pin`` from ``graph_pool`` inside
+    ``capture``; the GPU test and the probe call it on one thread)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -16,7 +16,7 @@ Numbers
 
     Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
     bytes (Qwen-Image-2.1 bf16, batch 1: prefix 256 -> 134 MB; two-reference edit, prefix 8,448 ->
-    4.4 GB), plus the graph's share of the plugin's graph pool. While an entry is live the request's
+    4.4 GB), plus the graph's share of the global graph pool. While an entry is live the request's
     cache is re-pointed at these buffers, so that costs nothing extra; a free entry keeps them until
     it is reused or evicted (at most ``max_entries`` entries in all).
 
@@ -26,7 +26,7 @@ Workflow (``PrefixGraphs``)
        new one while fewer than ``max_entries`` exist (else the least recently used free one is
        evicted). The prefix K/V and per-request tensors are copied in once.
     2. ``run(entry, step)``: the per-step tensors are copied in; on the entry's first run the step
-       is captured (``cuda_graphs.capture``: warm-ups, then the capture into the plugin's graph
+       is captured (``cuda_graphs.capture``: warm-ups, then the capture into vLLM's global graph
        pool); the graph replays and a clone of its output is returned. In verify mode a new
        graph's first replay is checked against the caller's eager step; a mismatch makes that
        shape eager for the process.

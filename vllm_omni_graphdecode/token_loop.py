@@ -261,10 +261,10 @@ class Lookahead:
     def next(self, token: int, position: int) -> int:
         """The loop feeds ``token`` at ``position``: returns the token that follows it.
 
-        On an exception nothing of this call is kept: the cache's valid length is the one it
-        had before ``token`` (a launch chained behind the one that serves ``token`` can fail its
-        capture after that one was kept), since the eager loop that takes over feeds ``token``
-        again."""
+        On an exception the cache's valid length and the count of fed tokens are the ones from
+        before ``token``: a launch chained behind the one that serves ``token`` can fail its
+        capture after that token was kept, and the eager loop that takes over feeds ``token``
+        again. What ran ahead is dropped by the hand-back that follows (``drain``)."""
         length, fed = self._cache().length, self.fed_total
         try:
             return self._next(token, position)

@@ -22,6 +22,9 @@ case "$what" in
     ;;
   h3)
     unpack
+    # Side by side, so no `reap` (session_common.sh, added after this ran): one would kill the
+    # other's engines; neither file starts one.
+    export GRAPHDECODE_REAP=0
     GRAPHDECODE_SITE_PROJECT=/tmp/site-project-026 \
       suite 170 suite-0.26-capture tests/test_sensenova_gpu.py -q -rfE --durations=0 \
       -k "capture or dead_graph or token_loop" &

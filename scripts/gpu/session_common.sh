@@ -4,6 +4,8 @@
 #   bench LIMIT DIR PYTHONPATH [bench.py args...]
 #   unpack                                   every carried .gpu-bundle* into /tmp/site*
 #   reap                                     what a cut engine or serving test left running
+#                                            (after each suite; GRAPHDECODE_REAP=0: not, for
+#                                            suites run side by side)
 #   stamp NAME                               NAME's exit status and the time, in summary.txt
 # and the two stacks' PYTHONPATHs, py26 and py30. A step packs $res into $OUT at its end
 # (`finish`). The session scripts written before fold_session.sh carry the same lines inline.
@@ -27,7 +29,7 @@ suite() {
     GRAPHDECODE_TESTS="$tests" timeout "$limit" scripts/gpu/run_suite.sh tests "$res/$dir" -- "$@" \
     >"$res/$dir.out" 2>&1
   stamp "$dir"
-  reap
+  [ "${GRAPHDECODE_REAP:-1}" = 0 ] || reap
 }
 reap() {
   # The engine runners and servers run in sessions of their own, out of reach of `timeout`'s
