@@ -246,7 +246,8 @@ def test_a_failed_capture_inside_launches_hands_back_exactly_the_fed_tokens(tiny
     token. Either way the request goes on eagerly from the tokens fed before that token, without
     feeding it twice (on the H200 a chained capture that failed left the served token in the
     cache, the eager loop fed it again, and the text ran into one repeated word). ``[3]`` is
-    the case that fails without ``Lookahead.next``'s restore; ``[2]`` is its neighbour."""
+    the case that fails when ``Lookahead._serve`` keeps the token before chaining; ``[2]`` is
+    its neighbour."""
     real, calls = token_loop.TokenProgram.forward, []
 
     def forward(self):

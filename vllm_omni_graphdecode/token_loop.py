@@ -259,21 +259,7 @@ class Lookahead:
         return self._served.logits(token, self.vocab)
 
     def next(self, token: int, position: int) -> int:
-        """The loop feeds ``token`` at ``position``: returns the token that follows it.
-
-        On an exception the cache's valid length and the count of fed tokens are the ones from
-        before ``token``: a launch chained behind the one that serves ``token`` can fail its
-        capture after that token was kept, and the eager loop that takes over feeds ``token``
-        again. What ran ahead is dropped by the hand-back that follows (``drain``)."""
-        length, fed = self._cache().length, self.fed_total
-        try:
-            return self._next(token, position)
-        except BaseException:
-            self._cache().keep(length)
-            self.fed_total = fed
-            raise
-
-    def _next(self, token: int, position: int) -> int:
+        """The loop feeds ``token`` at ``position``: returns the token that follows it."""
         self.fed_total += 1
         cur = self.current
         if cur is not None:
@@ -347,8 +333,11 @@ class Lookahead:
         launch.nexts = launch.host.tolist()
         launch.fed = [token] + launch.nexts[:-1]
         self.current = launch
-        self._cache().keep(launch.length + 1)
+        # Chained first: a chained launch that fails (its capture, or memory) then leaves the
+        # cache without ``token``, which the eager loop taking over feeds again (kept first, it
+        # was fed twice: on the H200 the text ran into one repeated word).
         self._chain(launch)
+        self._cache().keep(launch.length + 1)
         return launch.nexts[0]
 
     def _chain(self, launch: _Launch) -> None:
