@@ -169,9 +169,7 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
-    import triton
-
-    grid = (triton.cdiv(n, cfg.block_n), m)
+    grid = (-(-n // cfg.block_n), m)  # ceil: no per-call import on the eager path
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
         out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
