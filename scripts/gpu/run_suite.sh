@@ -12,6 +12,8 @@
 # The project's own metadata (its entry points: vllm-omni finds the plugin only through them) is
 # installed into /tmp/site-project; the code itself runs from this checkout, first on PYTHONPATH.
 # GRAPHDECODE_TESTS (default: the tests folder) picks the test files or folders to run.
+# TORCH=2.13 (with STACK=0.30) runs on the torch vllm 0.30 pins instead of the host's 2.11, from
+# the .gpu-bundle-torch-N folders (scripts/gpu/build_torch_bundle.py), carried one per call.
 set -uo pipefail
 what=${1:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
 results=${2:?usage: run_suite.sh TESTS_BENCH_OR_ALL RESULTS_DIR}
@@ -58,9 +60,18 @@ if [ -d "$site" ]; then
   pp="$here:$meta:$site"
   [ "${STACK:-}" = "0.30" ] && pp="$here:$meta:$site-omni-0.30.0:$site"
 fi
+tag=${STACK:-default}
+if [ -n "${TORCH:-}" ]; then
+  if [ "$TORCH" != 2.13 ] || [ "${STACK:-}" != 0.30 ]; then
+    echo "TORCH=$TORCH with STACK=${STACK:-0.26}: only TORCH=2.13 with STACK=0.30 is built" >&2
+    exit 2
+  fi
+  source "$here/scripts/gpu/torch213_env.sh" || exit 2
+  pp="$torch_site:$here:$meta:$omni_site:$site"
+  tag="$tag-torch$TORCH"
+fi
 export PYTHONPATH="$pp${PYTHONPATH:+:$PYTHONPATH}" VLLM_TARGET_DEVICE=cuda PYTHONUNBUFFERED=1
 export CUDA_CACHE_MAXSIZE=4294967296  # keep FA2's JIT-compiled PTX between runs
-tag=${STACK:-default}
 
 rc=0
 "$py" - >"$results/entry-points-$tag.txt" 2>&1 <<'PY' || rc=1
