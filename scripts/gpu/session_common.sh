@@ -2,6 +2,9 @@
 # the results folder /tmp/res-$what, the environment every GPU run here uses, and the helpers
 #   suite LIMIT DIR TESTS [pytest args...]   one or more GPU test files through run_suite.sh
 #   bench LIMIT DIR PYTHONPATH [bench.py args...]
+#   request LIMIT DIR PYTHONPATH [sensenova_request.py args...]
+#                                            one whole think text-to-image request at the
+#                                            real shape, the release beside the plugin
 #   unpack                                   every carried .gpu-bundle* into /tmp/site*
 #   reap                                     what a cut engine or serving test left running
 #                                            (after each suite; GRAPHDECODE_REAP=0: not, for
@@ -50,6 +53,14 @@ bench() {
   mkdir -p "$res/$dir"
   PYTHONPATH=$pp timeout "$limit" python3 benchmarks/bench.py --out "$res/$dir" "$@" \
     >"$res/$dir/stdout.json" 2>"$res/$dir/log"
+  stamp "$dir"
+}
+request() {
+  local limit=$1 dir=$2 pp=$3; shift 3
+  mkdir -p "$res/$dir"
+  PYTHONPATH=$pp timeout "$limit" python3 benchmarks/sensenova_request.py --out "$res/$dir" \
+    --size 1024 --steps 50 --cfg 4 --think both --denoise fast --no-audit "$@" \
+    >"$res/$dir/stdout.jsonl" 2>"$res/$dir/stderr.log"
   stamp "$dir"
 }
 unpack() {
