@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 from vllm_omni_graphdecode import cli, config, stats
 from vllm_omni_graphdecode.reasons import Reason
@@ -51,6 +52,35 @@ def test_counts_are_written_at_most_once_per_interval(monkeypatch, tmp_path):
     monkeypatch.setitem(stats._dump, "last", 0.0)  # as if the interval had passed
     stats.count("sensenova_u1", "replay")
     assert json.loads(path.read_text())["counters"] == {"sensenova_u1.replay": 101}
+
+
+def test_the_last_counts_of_an_interval_are_written_when_it_ends(monkeypatch, tmp_path):
+    # A process that goes on serving after its last event (vllm-omni 0.30's inline diffusion
+    # stage) must not leave the file short of that last second's events until it exits.
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 0.3)
+    _use(monkeypatch, str(tmp_path / "stats.json"))
+    path = tmp_path / "stats.json"
+    for _ in range(10):
+        stats.count("qwen_image_21", "replay")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if json.loads(path.read_text())["counters"] == {"qwen_image_21.replay": 10}:
+            break
+        time.sleep(0.05)
+    assert json.loads(path.read_text())["counters"] == {"qwen_image_21.replay": 10}
+    stats.reset()
+    assert stats._dump["timer"] is None
+
+
+def test_reset_cancels_a_pending_write(monkeypatch, tmp_path):
+    _use(monkeypatch, str(tmp_path / "first.json"))
+    stats.count("sensenova_u1", "replay")  # writes, and starts the interval
+    stats.count("sensenova_u1", "replay")  # inside it: a write is scheduled for its end
+    assert stats._dump["timer"] is not None
+    stats.reset()  # another test (or bench case) takes over: the old write must not land
+    assert stats._dump["timer"] is None
+    assert json.loads((tmp_path / "first.json").read_text())["counters"] == {
+        "sensenova_u1.replay": 1}
 
 
 def test_final_counts_are_written_at_process_exit(tmp_path):

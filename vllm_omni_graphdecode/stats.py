@@ -7,7 +7,8 @@ bug: the server would be slow and nobody would know why.
 The counters live in the process that loaded the model: in vLLM-Omni that is the diffusion worker,
 which no client can reach. ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` makes that process write its
 snapshot to a file (after each wiring and each fallback reason, at most once a second while events
-are counted, and at exit), so an end-to-end test or an operator can read what happened there.
+are counted, the last of them within a second of being counted, and at exit), so an end-to-end
+test or an operator can read what happened there.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ _wired: list[str] = []
 _warned: set[tuple[str, str]] = set()
 
 DUMP_INTERVAL_S = 1.0
-_dump = {"resolved": False, "path": "", "last": 0.0, "atexit": False}
+_dump = {"resolved": False, "path": "", "last": 0.0, "atexit": False, "timer": None}
 _dump_lock = threading.Lock()
+_timer_lock = threading.Lock()
 
 
 def count(model: str, event: str, n: int = 1) -> None:
@@ -142,7 +144,9 @@ def _maybe_dump(force: bool = False) -> None:
     if not path:
         return
     now = time.monotonic()
-    if not force and now - _dump["last"] < DUMP_INTERVAL_S:
+    wait = DUMP_INTERVAL_S - (now - _dump["last"])
+    if not force and wait > 0:
+        _write_when_the_interval_ends(wait)
         return
     _dump["last"] = now
     try:
@@ -152,6 +156,33 @@ def _maybe_dump(force: bool = False) -> None:
         logger.warning("graphdecode: cannot write VLLM_OMNI_GRAPHDECODE_STATS_FILE %s: %s", path,
                        exc)
         _dump["path"] = ""
+
+
+def _write_when_the_interval_ends(wait: float) -> None:
+    """Events counted inside an interval reach the file when it ends, not only with the next event
+    or at exit: a process that serves on after its last event (vllm-omni 0.30 runs a single
+    diffusion stage inside the client process, which goes on to the next engine) would otherwise
+    show a file short of its last second's events."""
+    with _timer_lock:
+        if _dump["timer"] is not None:
+            return
+        timer = threading.Timer(wait, _trailing_write)
+        timer.daemon = True
+        _dump["timer"] = timer
+    timer.start()
+
+
+def _trailing_write() -> None:
+    with _timer_lock:
+        _dump["timer"] = None
+    _maybe_dump(force=True)
+
+
+def _cancel_trailing_write() -> None:
+    with _timer_lock:
+        timer, _dump["timer"] = _dump["timer"], None
+    if timer is not None:
+        timer.cancel()
 
 
 def reset_counters() -> None:
@@ -168,4 +199,5 @@ def reset() -> None:
         _degraded.clear()
         _wired.clear()
         _warned.clear()
+    _cancel_trailing_write()
     _dump.update(resolved=False, path="", last=0.0)
