@@ -145,11 +145,25 @@ def _check_error(out) -> None:
 # Engines
 # ---------------------------------------------------------------------------------------------
 
-def _stats_files() -> set[str]:
+def _stats_files() -> dict[str, int]:
+    """Every stats file the engines' processes wrote so far, with its modification time."""
     template = os.environ.get("VLLM_OMNI_GRAPHDECODE_STATS_FILE", "")
     if template in ("", "0"):
-        return set()
-    return set(glob.glob(template.replace("{pid}", "*")))
+        return {}
+    found = {}
+    for path in glob.glob(template.replace("{pid}", "*")):
+        try:
+            found[path] = os.stat(path).st_mtime_ns
+        except OSError:  # removed between the listing and the stat
+            pass
+    return found
+
+
+def _written_since(before: dict[str, int]) -> list[str]:
+    """The stats files written since `before`: new ones, and ones written again. vllm-omni 0.30
+    runs a single diffusion stage inside the client process, so both models' engines write the
+    same process's file in turn."""
+    return [path for path, mtime in _stats_files().items() if before.get(path) != mtime]
 
 
 def _read_stats(paths) -> list[dict]:
@@ -282,8 +296,11 @@ def main(argv=None) -> int:
             print(f"e2e_engine: {model}: FAILED: {entry['error']}", flush=True)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-        time.sleep(0.5)  # let the worker's exit-time stats write land
-        entry["worker_stats"] = _read_stats(_stats_files() - before)
+        # Let the stats land: a worker's exit-time write (0.26 spawns a worker per engine), or
+        # the write at the end of the plugin's one-second interval (0.30 serves inline, in this
+        # process, which does not exit between the two engines).
+        time.sleep(1.5)
+        entry["worker_stats"] = _read_stats(_written_since(before))
         report["models"][model] = entry
         write()
         print(f"e2e_engine: {model}: done", flush=True)
