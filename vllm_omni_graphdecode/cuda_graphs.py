@@ -58,12 +58,13 @@ plugin's captures failed, the in-tree decode's next capture into vLLM's pool rai
 ``capture_end`` raised before it ended the pool's marks. pytorch/pytorch#180395 (April 2026, on the
 2.12 release branch) fixes it where ``cudaStreamEndCapture`` itself fails, as here; a failure
 before the end is pytorch/pytorch#190308 (open in July 2026). vllm 0.30 pins torch 2.13, the GPU
-host runs 2.11. Moving the plugin's graphs to a pool of their own (c78d4a4, vLLM's pool keeping
-only an anchor) was tried and taken back: with it, vllm-omni 0.30's in-tree decode did not come
-back from its first capture's warm-up in the decode GPU file (inside FlashAttention's call 40 s in,
-still there when the run's time limit ended it; the whole file had taken 137 s), and the 0.30
-engine file ran past its 200 s limit (63 s before), where both had run with the graphs here
-(results h200-2026-12-02). Why is not yet measured.
+host runs 2.11 (and 2.13 from a bundle since h200-2026-12-02b, where vllm-omni 0.30's own engine
+runs with the plugin off). Moving the plugin's graphs to a pool of their own (c78d4a4, vLLM's pool
+keeping only an anchor) was tried and taken back after the 0.30 decode GPU file stopped inside
+the in-tree decode's first FlashAttention call (results h200-2026-12-02). That stop was vLLM's FA2
+compiling its PTX on a machine where nothing had called it before (128 s for the first call,
+h200-2026-12-02b, scripts/gpu/warm_fa2.py), not the pool; with FA2 warm, the design here passed
+the same file. The own pool has not run with FA2 warm.
 """
 
 from __future__ import annotations
