@@ -20,8 +20,11 @@
 #                                     # was measured there)
 #   scripts/gpu/torch_session.sh te   # the engine file on torch 2.13
 #
-# h200-2026-12-02b is what it brought back, and says in what order the steps ran on which
-# machine (the first machine's torch 2.13 check failed: t4 and t5 ran on 2.11).
+# h200-2026-12-02b is what it brought back. Machine 1: t1, t2, t3, tt x3 (a first bundle of
+# torch alone, whose check failed), t4 and t5 on 2.11, then two suites inline (0.26 batch, 0.30
+# FP8). Machine 2: t2 with .gpu-bundle, -2 and -3; tt with each of the five .gpu-bundle-torch-N
+# (the check passed); te with .gpu-bundle-serve*, cut by the device time left
+# (scripts/gpu/evaluate_engine_runs.py evaluated its runs).
 # Build first (git-ignored): scripts/gpu/build_bundle.sh, scripts/gpu/build_serving_bundle.sh,
 # scripts/gpu/build_torch_bundle.py.
 set -uo pipefail
