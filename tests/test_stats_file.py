@@ -42,6 +42,7 @@ def test_wiring_and_fallbacks_are_written_at_once_with_pid_in_the_name(monkeypat
 
 
 def test_counts_are_written_at_most_once_per_interval(monkeypatch, tmp_path):
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)  # no interval ends inside the test
     _use(monkeypatch, str(tmp_path / "stats.json"))
     path = tmp_path / "stats.json"
     stats.count("sensenova_u1", "replay")  # the first count writes
@@ -73,6 +74,7 @@ def test_the_last_counts_of_an_interval_are_written_when_it_ends(monkeypatch, tm
 
 
 def test_reset_cancels_a_pending_write(monkeypatch, tmp_path):
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)
     _use(monkeypatch, str(tmp_path / "first.json"))
     stats.count("sensenova_u1", "replay")  # writes, and starts the interval
     stats.count("sensenova_u1", "replay")  # inside it: a write is scheduled for its end
@@ -81,6 +83,46 @@ def test_reset_cancels_a_pending_write(monkeypatch, tmp_path):
     assert stats._dump["timer"] is None
     assert json.loads((tmp_path / "first.json").read_text())["counters"] == {
         "sensenova_u1.replay": 1}
+
+
+def test_no_thread_for_the_interval_writes_at_once_and_never_raises(monkeypatch, tmp_path):
+    # Python 3.12 starts no thread from an atexit handler; a process can be at its thread limit.
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)
+    _use(monkeypatch, str(tmp_path / "stats.json"))
+
+    def refuse(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(stats.threading.Timer, "start", refuse)
+    stats.count("sensenova_u1", "replay")  # writes, and starts the interval
+    stats.count("sensenova_u1", "replay")  # inside it: no timer, so written now
+    assert json.loads((tmp_path / "stats.json").read_text())["counters"] == {
+        "sensenova_u1.replay": 2}
+    assert stats._dump["timer"] is None
+
+
+def test_a_forked_child_writes_its_own_file(monkeypatch, tmp_path):
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)
+    _use(monkeypatch, str(tmp_path / "stats-{pid}.json"))
+    stats.count("qwen_image_21", "replay")  # the parent's file, and a pending trailing write
+    stats.count("qwen_image_21", "replay")
+    pid = os.fork()
+    if pid == 0:  # the child: count, write its final snapshot, leave without pytest's teardown
+        code = 1
+        try:
+            stats.count("sensenova_u1", "replay")
+            stats._final_write()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    child = json.loads((tmp_path / f"stats-{pid}.json").read_text())
+    assert child["pid"] == pid
+    assert child["counters"]["sensenova_u1.replay"] == 1
+    parent = json.loads((tmp_path / f"stats-{os.getpid()}.json").read_text())
+    assert "sensenova_u1.replay" not in parent["counters"]
+    stats.reset()
 
 
 def test_final_counts_are_written_at_process_exit(tmp_path):

@@ -7,8 +7,8 @@ bug: the server would be slow and nobody would know why.
 The counters live in the process that loaded the model: in vLLM-Omni that is the diffusion worker,
 which no client can reach. ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` makes that process write its
 snapshot to a file (after each wiring and each fallback reason, at most once a second while events
-are counted, the last of them within a second of being counted, and at exit), so an end-to-end
-test or an operator can read what happened there.
+are counted, the last of them within a second of being counted, and at exit; a forked child
+writes a file of its own), so an end-to-end test or an operator can read what happened there.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def dump_path() -> str:
         _dump["path"] = template.replace("{pid}", str(os.getpid()))
         _dump["resolved"] = True
         if _dump["path"] and not _dump["atexit"]:
-            atexit.register(_maybe_dump, force=True)
+            atexit.register(_final_write)
             _dump["atexit"] = True
     return _dump["path"]
 
@@ -163,13 +163,20 @@ def _write_when_the_interval_ends(wait: float) -> None:
     or at exit: a process that serves on after its last event (vllm-omni 0.30 runs a single
     diffusion stage inside the client process, which goes on to the next engine) would otherwise
     show a file short of its last second's events."""
+    if _dump["timer"] is not None:  # the common case inside an interval: no lock taken
+        return
     with _timer_lock:
         if _dump["timer"] is not None:
             return
         timer = threading.Timer(wait, _trailing_write)
         timer.daemon = True
         _dump["timer"] = timer
-    timer.start()
+    try:
+        timer.start()
+    except RuntimeError:  # no new thread (interpreter shutdown, the process's thread limit)
+        with _timer_lock:
+            _dump["timer"] = None
+        _maybe_dump(force=True)  # counting must not raise: write now instead
 
 
 def _trailing_write() -> None:
@@ -183,6 +190,23 @@ def _cancel_trailing_write() -> None:
         timer, _dump["timer"] = _dump["timer"], None
     if timer is not None:
         timer.cancel()
+
+
+def _final_write() -> None:
+    """At exit: the last snapshot, with no trailing write left to race it."""
+    _cancel_trailing_write()
+    _maybe_dump(force=True)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has its own pid (its own file) and none of the parent's threads: start its
+    stats file afresh, with fresh locks (the parent's may have been held by its timer thread)."""
+    global _lock, _dump_lock, _timer_lock
+    _lock, _dump_lock, _timer_lock = threading.Lock(), threading.Lock(), threading.Lock()
+    _dump.update(resolved=False, path="", last=0.0, timer=None)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reset_counters() -> None:
