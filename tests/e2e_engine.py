@@ -145,25 +145,27 @@ def _check_error(out) -> None:
 # Engines
 # ---------------------------------------------------------------------------------------------
 
-def _stats_files() -> dict[str, int]:
-    """Every stats file the engines' processes wrote so far, with its modification time."""
+def _stats_files() -> dict[str, tuple[int, int]]:
+    """Every stats file the engines' processes wrote so far, with its inode and modification time
+    (each write replaces the file: a new inode even where timestamps are coarse)."""
     template = os.environ.get("VLLM_OMNI_GRAPHDECODE_STATS_FILE", "")
     if template in ("", "0"):
         return {}
     found = {}
     for path in glob.glob(template.replace("{pid}", "*")):
         try:
-            found[path] = os.stat(path).st_mtime_ns
+            st = os.stat(path)
+            found[path] = (st.st_ino, st.st_mtime_ns)
         except OSError:  # removed between the listing and the stat
             pass
     return found
 
 
-def _written_since(before: dict[str, int]) -> list[str]:
+def _written_since(before: dict[str, tuple[int, int]]) -> list[str]:
     """The stats files written since `before`: new ones, and ones written again. vllm-omni 0.30
     runs a single diffusion stage inside the client process, so both models' engines write the
     same process's file in turn."""
-    return [path for path, mtime in _stats_files().items() if before.get(path) != mtime]
+    return [path for path, seen in _stats_files().items() if before.get(path) != seen]
 
 
 def _read_stats(paths) -> list[dict]:

@@ -13,8 +13,11 @@ import e2e_engine
 
 
 def _write(path, pid, counters, mtime_ns):
-    path.write_text(json.dumps({"pid": pid, "counters": counters}))
-    os.utime(path, ns=(mtime_ns, mtime_ns))
+    """As the plugin writes it: a new file renamed over the old one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": pid, "counters": counters}))
+    os.utime(tmp, ns=(mtime_ns, mtime_ns))
+    os.replace(tmp, path)
 
 
 def test_a_file_written_again_by_the_same_process_counts_for_the_next_model(tmp_path, monkeypatch):
@@ -31,6 +34,11 @@ def test_a_file_written_again_by_the_same_process_counts_for_the_next_model(tmp_
     assert written == ["stats-7.json", "stats-9.json"]
     snaps = e2e_engine._read_stats(e2e_engine._written_since(before))
     assert snaps[0]["counters"]["qwen_image_21.replay"] == 4
+
+    # A rewrite within the same timestamp (a coarse file system) still counts: a new inode.
+    before = e2e_engine._stats_files()
+    _write(shared, 7, {"qwen_image_21.replay": 5}, 2_000_000_000)
+    assert [os.path.basename(p) for p in e2e_engine._written_since(before)] == ["stats-7.json"]
 
 
 def test_no_stats_variable_means_no_files(tmp_path, monkeypatch):

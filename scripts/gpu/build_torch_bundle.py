@@ -27,7 +27,8 @@ What travels, and what does not (sizes measured on this wheel):
 - triton 3.7.1 only with --triton (torch 2.13's Inductor may need it; the host has 3.6).
 
 The archive is deterministic (sorted members, the wheels' timestamps, `xz -T0 -6`), split into
-parts of PART_MIB.
+parts of PART_MIB (52 MiB: five folders for this torch, torchvision and FA2). Staging holds the
+members in memory (about 1.3 GB).
 """
 import argparse
 import hashlib
@@ -132,6 +133,11 @@ def stage(wheels, tree):
                 mtime = zipfile_time(info)
                 name = OVERLAY + info.filename if info.filename == FA2_MEMBER else info.filename
                 entries.append((name, data, mode, mtime))
+    names = {e[0] for e in entries}
+    if any(os.path.basename(w).startswith("vllm-") for w in wheels) and \
+            OVERLAY + FA2_MEMBER not in names:
+        raise SystemExit(f"{FA2_MEMBER} is not in the vllm wheel: the 0.30 tree's FA2 would "
+                         "stay the one built for torch 2.11")
     compat = os.path.join(tree, "libnccl_compat.so")
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", compat,
                     os.path.join(HERE, "nccl_compat.c")], check=True)
@@ -157,8 +163,15 @@ def pack(entries, raw):
 
 
 def split(archive, out, part_bytes):
+    """Cut the archive into folders OUT-1 ... OUT-N, each with its part, MANIFEST.json (every
+    part's size and sha256, the whole archive's) and unpack.py. Folders of an earlier build with
+    more parts are removed."""
     size = os.path.getsize(archive)
     count = -(-size // part_bytes)
+    stale = count + 1
+    while os.path.isdir(f"{out}-{stale}"):
+        shutil.rmtree(f"{out}-{stale}")
+        stale += 1
     parts = []
     with open(archive, "rb") as f:
         for i in range(count):

@@ -26,7 +26,7 @@ export STACK=0.30 TORCH=2.13
 case "$what" in
   u)
     unpack
-    if [ -d /tmp/site-torch-2.13.0/torch ] && [ -d /tmp/site-omni-0.30.0 ] \
+    if [ -f /tmp/site-torch-2.13.0/.bundle-state.json ] && [ -d /tmp/site-omni-0.30.0 ] \
         && [ ! -f /tmp/warm-fa2.started ]; then
       touch /tmp/warm-fa2.started
       (site=/tmp/site && source scripts/gpu/torch213_env.sh \

@@ -4,10 +4,11 @@
     python3 .gpu-bundle-torch-N/unpack.py
 
 Each folder .gpu-bundle-torch-N brings one part of one archive. Its part is checked against
-MANIFEST.json (size, sha256) and stashed in /tmp/site-torch-2.13.0.parts; once every part is
-there, the archive is checked whole and unpacked into /tmp/site-torch-2.13.0, and the parts are
-removed. Running it again after that does nothing (the target's .bundle-state.json records the
-archive's sha256).
+MANIFEST.json (size, sha256) and stashed in /tmp/site-torch-2.13.0.parts (copied under a
+temporary name, then renamed, so a copy cut short never passes for a part). Once every part is
+there, each stashed part is checked again, the archive is unpacked into a temporary folder that
+replaces /tmp/site-torch-2.13.0 only when the whole archive came out, and the parts are removed.
+Running it again after that does nothing: the target's .bundle-state.json records the archive.
 """
 import hashlib
 import json
@@ -21,10 +22,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Joined:
-    """The parts in order, read as one file, hashed as they are read."""
+    """The parts in order, read as one file."""
 
     def __init__(self, paths):
-        self.paths, self.f, self.sha = list(paths), None, hashlib.sha256()
+        self.paths, self.f = list(paths), None
 
     def read(self, n=-1):
         out = b""
@@ -39,7 +40,6 @@ class Joined:
                 self.f = None
                 continue
             out += chunk
-        self.sha.update(out)
         return out
 
 
@@ -49,6 +49,11 @@ def sha256_file(path):
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def good(path, part):
+    return (os.path.exists(path) and os.path.getsize(path) == part["size"]
+            and sha256_file(path) == part["sha256"])
 
 
 def main():
@@ -62,27 +67,37 @@ def main():
     stash = target + ".parts"
     os.makedirs(stash, exist_ok=True)
     for part in manifest["parts"]:
-        here = os.path.join(HERE, part["name"])
-        if os.path.exists(here) and not os.path.exists(os.path.join(stash, part["name"])):
-            if os.path.getsize(here) != part["size"] or sha256_file(here) != part["sha256"]:
-                print(f"[torch-bundle] {part['name']}: size or sha256 differs from MANIFEST.json")
-                return 1
-            shutil.copy(here, stash)
-            print(f"[torch-bundle] stashed {part['name']}")
+        here, stashed = os.path.join(HERE, part["name"]), os.path.join(stash, part["name"])
+        if not os.path.exists(here) or good(stashed, part):
+            continue
+        if not good(here, part):
+            print(f"[torch-bundle] {part['name']}: size or sha256 differs from MANIFEST.json")
+            return 1
+        shutil.copy(here, stashed + ".tmp")
+        os.replace(stashed + ".tmp", stashed)
+        print(f"[torch-bundle] stashed {part['name']}")
     missing = [p["folder"] for p in manifest["parts"]
-               if not os.path.exists(os.path.join(stash, p["name"]))]
-    if missing:
+               if not good(os.path.join(stash, p["name"]), p)]
+    if missing:  # absent, or a stale or damaged copy: that folder has to come (again)
         print(f"[torch-bundle] waiting for {', '.join(missing)}")
         return 0
-    shutil.rmtree(target, ignore_errors=True)
-    joined = Joined(os.path.join(stash, p["name"]) for p in manifest["parts"])
-    with lzma.open(joined) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
-        tar.extractall(target, filter="tar")
-    if joined.sha.hexdigest() != manifest["archive_sha256"]:
-        shutil.rmtree(target, ignore_errors=True)
-        print("[torch-bundle] the joined archive's sha256 differs from MANIFEST.json")
+    paths = [os.path.join(stash, p["name"]) for p in manifest["parts"]]
+    whole = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                whole.update(chunk)
+    if whole.hexdigest() != manifest["archive_sha256"]:
+        print("[torch-bundle] the joined parts' sha256 differs from MANIFEST.json")
         return 1
-    json.dump({"archive_sha256": manifest["archive_sha256"]}, open(state, "w"))
+    fresh = target + ".tmp"
+    shutil.rmtree(fresh, ignore_errors=True)
+    with lzma.open(Joined(paths)) as xz, tarfile.open(fileobj=xz, mode="r|") as tar:
+        tar.extractall(fresh, filter="tar")
+    json.dump({"archive_sha256": manifest["archive_sha256"]},
+              open(os.path.join(fresh, ".bundle-state.json"), "w"))
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(fresh, target)
     shutil.rmtree(stash)
     print(f"[torch-bundle] unpacked into {target}")
     return 0

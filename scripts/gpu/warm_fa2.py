@@ -4,8 +4,10 @@
     PYTHONPATH=<0.30 stack> CUDA_CACHE_MAXSIZE=4294967296 python3 scripts/gpu/warm_fa2.py
 
 vllm's FA2 library carries no sm_90 machine code, only compute_80 PTX, so the driver compiles a
-kernel's module the first time it runs (about 106 s on the H200) and keeps the result in its
-cache (`CUDA_CACHE_MAXSIZE`) for every later process on that host. A test or benchmark whose first
+kernel's module the first time it runs (128 s on the H200, h200-2026-12-02b) and keeps the result
+in its cache (`CUDA_CACHE_MAXSIZE`) for every later process on that host. The two stacks carry
+different FA2 libraries (vllm 0.26's for torch 2.11, vllm 0.30's for 2.13): warm the one the run
+will use, in its environment (scripts/gpu/torch213_env.sh for 2.13). A test or benchmark whose first
 in-tree decode call pays that inside its own time limit looks hung: in h200-2026-12-02 the 0.30
 decode file stopped for good inside `flash_attn_varlen_func` in the in-tree capture's warm-up,
 on a machine where nothing had called FA2 before. This makes the in-tree decode's call, through
