@@ -43,6 +43,8 @@ import tempfile
 import zipfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torch_bundle_unpack import sha256_file  # noqa: E402  (the unpacker is stdlib-only)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SHARED_GPU = os.environ.get("GRAPHDECODE_SHARED", os.path.join(ROOT, "..", "shared")) + "/gpu"
 CACHE = os.environ.get("GRAPHDECODE_BUNDLE_CACHE",
@@ -73,14 +75,6 @@ SKIP_SUFFIXES = (".a",)
 
 def log(msg):
     print(f"[torch-bundle] {msg}", flush=True)
-
-
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch(name):
