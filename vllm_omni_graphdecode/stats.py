@@ -206,7 +206,8 @@ def _after_fork_in_child() -> None:
     _dump.update(resolved=False, path="", last=0.0, timer=None)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # every platform vLLM runs on; not Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def reset_counters() -> None:
