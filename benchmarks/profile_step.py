@@ -47,9 +47,11 @@ _RULES = (
     ("norm", ("rmsnorm", "rms_norm", "layernorm", "layer_norm", "groupnorm", "group_norm",
               "norm_kernel", "normkernel", "fused_add_rms")),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax", "batchdecode",
-                   "batch_decode", "pagedattention", "paged_attention", "mha_", "flashinfer")),
+                   "batch_decode", "pagedattention", "paged_attention", "mha_", "flashinfer",
+                   # vLLM's Triton decode attention (the batched step's): its two stages
+                   "_fwd_grouped_kernel_stage", "_fwd_kernel_stage")),
     ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cublas", "cutlass", "matmul", "splitk",
-              "dot_kernel", "s16816", "tensorop", "wgmma", "_mm_", "bmm")),
+              "dot_kernel", "s16816", "tensorop", "wgmma", "_mm_", "bmm", "marlin")),
     ("copy", ("memcpy", "memset", "copy", "index", "scatter", "gather", "catarray", "concat",
               "_cat_", "fill", "transpose", "embedding", "clone", "arange")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "silu", "gelu", "act_and_mul",

@@ -18,7 +18,10 @@ Cases (rows of ``sensenova-batch.json``):
 - ``sensenova_batch_decode_step_b8`` (``step``): one decode step at context ``--context``:
   ``eager_ms`` the plugin's batch-1 path (FA3, fused step, 8 tokens a launch; ms per token),
   ``ours_ms`` the batched path with 8 rows decoding (ms per step of all 8); also ``_b1`` and
-  ``_b16`` (the batched path with 1 and 16 rows).
+  ``_b16`` (the batched path with 1 and 16 rows). ``--profile-rows 8,16``: those row counts'
+  steps also run once under torch.profiler (``sensenova_batch_step_profile_b{N}`` rows; the
+  whole report, kernels by category and the linear layers by position, in
+  ``profile-batch-b{N}.json``).
 - ``sensenova_batch_text_n{N}`` (``text``): N text answers, ``--text-prompt``-token prompts,
   ``--text-tokens`` tokens each (end tokens can never win: their lm_head rows are zero).
 - ``sensenova_batch_think_t2i_{size}_n{N}`` (``think``): N think text-to-image requests (1,024 think
@@ -243,12 +246,16 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
             raise errors[0]
         return (time.perf_counter() - t0) * 1e3 / tokens
 
+    profiled = set(args.profile_rows)
     for n in (8, 1, 16):
         if n > decoder.cache.rows:
             continue
         together(n)  # first use of these blocks
         ms = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
+        if n in profiled:
+            profile_batched_step(lambda n=n: together(n), n, ms, lm, args, rows_out,
+                                 fp8=args.fp8 != "off")
         rows_out.append(common.case(
             f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else ""),
             batch1, ms, None,
@@ -257,6 +264,39 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
             ours_side=f"the batched path, {n} rows decoding ({decoder.cache.rows} in the step), "
                       f"ms per step", context=ctx, rows=decoder.cache.rows,
             ours_over_eager=ms / batch1, ms_per_token=ms / n))
+
+
+def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp8: bool,
+                         device_type: str = "cuda") -> None:
+    """Where the batched step's time goes: ``run()`` (``--step-tokens`` steps of ``n`` rows) once
+    under torch.profiler, the kernels seen inside the graph replays by category, the linear
+    layers by position (``profile_step.report``); the whole report in
+    ``profile-batch-b{n}[-fp8].json``, a summary row ``sensenova_batch_step_profile_b{n}``."""
+    import profile_step
+
+    tokens = args.step_tokens
+    layout, sizes = profile_step.sensenova_gemms(lm, fp8=fp8)
+    trace = profile_step.profile(run, 1, device_type=device_type)
+    rep = profile_step.report(trace, tokens, ms, gemm_layout=layout, weight_bytes=sizes,
+                              rows=n, context=args.context)
+    # Recent CUDA and torch show a replayed graph's kernels; where they do not, say so.
+    rep["kernels_from"] = ("graph replay was opaque to the profiler (no kernels inside)"
+                           if profile_step.opaque(rep, 5 * len(lm.model.layers))
+                           else "graph replay (kernels seen inside the graph)")
+    suffix = "-fp8" if fp8 else ""
+    with open(os.path.join(args.out, f"profile-batch-b{n}{suffix}.json"), "w") as f:
+        json.dump(rep, f, indent=2)
+    by_cat = {c: v["ms_per_step"] for c, v in rep["by_category"].items() if v["ms_per_step"]}
+    log(f"step profile, {n} rows: wall {ms:.3f} ms, kernels {rep['gpu_kernel_ms_per_step']} ms "
+        f"({rep['kernels_per_step']} a step), by category {by_cat}")
+    rows_out.append({"case": f"sensenova_batch_step_profile_b{n}" + ("_fp8" if fp8 else ""),
+                     "wall_ms_per_step": rep["wall_ms_per_step"],
+                     "gpu_kernel_ms_per_step": rep["gpu_kernel_ms_per_step"],
+                     "gpu_busy_ms_per_step": rep["gpu_busy_ms_per_step"],
+                     "kernels_per_step": rep["kernels_per_step"],
+                     "kernels_from": rep["kernels_from"],
+                     "ms_per_step_by_category": by_cat,
+                     "file": f"profile-batch-b{n}{suffix}.json"})
 
 
 # -- the request cases ------------------------------------------------------------------------
@@ -285,6 +325,19 @@ def _denoise_mode(fp8: str) -> str:
     return "fast" if fp8 in ("on", "1", "all") or "sensenova_denoise" in fp8 else "graph"
 
 
+def _row_counts(value: str) -> list[int]:
+    """``--profile-rows``: a comma-separated list of the step case's row counts (1, 8, 16)."""
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        counts = None
+    if counts is None or any(c not in (1, 8, 16) for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"--profile-rows {value!r}: accepted: row counts of the step case, 1, 8 and 16, "
+            f"comma-separated (e.g. 8,16)")
+    return counts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -298,6 +351,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cfg", type=float, default=4.0)
     ap.add_argument("--context", type=int, default=2048, help="step case")
     ap.add_argument("--step-tokens", type=int, default=256, help="step case: tokens timed")
+    ap.add_argument("--profile-rows", type=_row_counts, default=[],
+                    help="step case: also profile the batched step at these row counts "
+                         "(of 1, 8, 16; e.g. 8,16): kernels by category and the linear layers "
+                         "by position, in profile-batch-b{N}.json")
     ap.add_argument("--fp8", nargs="?", const="sensenova_decode", default="off",
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_FP8 (alone: sensenova_decode, "
                          "the decode on FP8 weight copies; on or naming sensenova_denoise: the "

@@ -29,6 +29,9 @@ NAMES = {
         "attention",
     "void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>": "attention",
     "void flashinfer::BatchDecodeWithPagedKVCacheKernel<true, 2u, 4u>": "attention",
+    "_fwd_grouped_kernel_stage1": "attention",  # vLLM's Triton decode attention
+    "_fwd_kernel_stage2": "attention",
+    "void marlin::Marlin<__nv_bfloat16, 4, 8, 8, true, 1>": "gemm",  # vLLM's W8A16
     "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>": "attention",
     "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
     "void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>": "norm",

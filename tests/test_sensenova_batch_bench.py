@@ -76,3 +76,49 @@ def test_fp8_option_names_rows_and_asks_the_fast_denoising_only_for_its_fp8_gemm
         row = sb.request_rows("think", 2, None, ours, SimpleNamespace(size=64, fp8=fp8), rows=2,
                               eager_ms=4.0)
         assert row["case"] == name and row["speedup"] == pytest.approx(2.0)
+
+
+def test_profile_rows_takes_the_step_cases_row_counts_and_names_what_it_accepts(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sensenova_batch as sb
+
+    assert sb._row_counts("8,16") == [8, 16]
+    assert sb._row_counts("") == []
+    with pytest.raises(SystemExit) as exit_info:
+        sb.main(["--out", str(tmp_path), "--profile-rows", "8,12"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'8,12'" in err and "1, 8 and 16" in err
+
+
+def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_path):
+    """On CPU the profiler sees no device kernels: the report is written, and says so."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sensenova_batch as sb
+    from vllm_omni_graphdecode.testing import random_models as rm
+
+    lm = rm.build_lm()
+    hidden = torch.zeros(8, lm.lm_head.weight.shape[1], dtype=lm.lm_head.weight.dtype)
+    calls = []
+
+    def run():  # what a step ends in: the logits of 8 rows
+        with torch.inference_mode():
+            torch.nn.functional.linear(hidden, lm.lm_head.weight)
+        calls.append(1)
+
+    rows = []
+    args = SimpleNamespace(step_tokens=4, context=64, out=str(tmp_path))
+    sb.profile_batched_step(run, 8, 2.5, lm, args, rows, fp8=False, device_type="cpu")
+    assert calls == [1]
+    with open(tmp_path / "profile-batch-b8.json") as f:
+        rep = json.load(f)
+    assert rep["rows"] == 8 and rep["context"] == 64 and rep["steps"] == 4
+    assert rep["wall_ms_per_step"] == 2.5
+    assert rep["kernels_from"].startswith("graph replay was opaque")
+    (row,) = rows
+    assert row["case"] == "sensenova_batch_step_profile_b8"
+    assert row["file"] == "profile-batch-b8.json" and row["kernels_per_step"] == 0
