@@ -194,8 +194,10 @@ def percentiles(values: list[float]) -> dict:
 
 # -- the decode step ------------------------------------------------------------------------------
 
-def bench_step(pipe, args, rows_out: list, env: dict) -> None:
-    """ms per decode step at ``--context``: the batch-1 path against the batched path."""
+def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> None:
+    """ms per decode step at ``--context``: the batch-1 path against the batched path; then the
+    ``--profile-rows`` profiles (after every timing, so that none is taken beside a profiler's
+    leftovers). ``write()`` after each row: a run cut short keeps what it measured."""
     from vllm_omni_graphdecode import kernels, turns
     from vllm_omni_graphdecode.hooks import sensenova_u1
     from vllm_omni_graphdecode.testing import random_models as rm
@@ -246,16 +248,13 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
             raise errors[0]
         return (time.perf_counter() - t0) * 1e3 / tokens
 
-    profiled = set(args.profile_rows)
+    timed = {}
     for n in (8, 1, 16):
         if n > decoder.cache.rows:
             continue
         together(n)  # first use of these blocks
-        ms = together(n)
+        ms = timed[n] = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
-        if n in profiled:
-            profile_batched_step(lambda n=n: together(n), n, ms, lm, args, rows_out,
-                                 fp8=args.fp8 != "off")
         rows_out.append(common.case(
             f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else ""),
             batch1, ms, None,
@@ -264,6 +263,19 @@ def bench_step(pipe, args, rows_out: list, env: dict) -> None:
             ours_side=f"the batched path, {n} rows decoding ({decoder.cache.rows} in the step), "
                       f"ms per step", context=ctx, rows=decoder.cache.rows,
             ours_over_eager=ms / batch1, ms_per_token=ms / n))
+        write()
+    for n in args.profile_rows:
+        if n not in timed:
+            continue
+        try:
+            profile_batched_step(lambda n=n: together(n), n, timed[n], lm, args, rows_out,
+                                 fp8=wiring.batch.linears is not None)
+        except Exception as exc:  # the timings above stand; the next profile still runs
+            import traceback
+
+            traceback.print_exc()
+            rows_out.append({"case": f"sensenova_batch_step_profile_b{n}", "error": repr(exc)})
+        write()
 
 
 def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp8: bool,
@@ -271,7 +283,10 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
     """Where the batched step's time goes: ``run()`` (``--step-tokens`` steps of ``n`` rows) once
     under torch.profiler, the kernels seen inside the graph replays by category, the linear
     layers by position (``profile_step.report``); the whole report in
-    ``profile-batch-b{n}[-fp8].json``, a summary row ``sensenova_batch_step_profile_b{n}``."""
+    ``profile-batch-b{n}[-fp8].json``, a summary row ``sensenova_batch_step_profile_b{n}``.
+    ``fp8``: the step's linear layers read FP8 copies (their bytes counted at one a weight).
+    The profiled run includes the rows joining and leaving (their K/V copied into the pool and
+    out), spread over its steps: a few copy kernels a step more than decoding alone."""
     import profile_step
 
     tokens = args.step_tokens
@@ -280,9 +295,12 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
     rep = profile_step.report(trace, tokens, ms, gemm_layout=layout, weight_bytes=sizes,
                               rows=n, context=args.context)
     # Recent CUDA and torch show a replayed graph's kernels; where they do not, say so.
-    rep["kernels_from"] = ("graph replay was opaque to the profiler (no kernels inside)"
-                           if profile_step.opaque(rep, 5 * len(lm.model.layers))
-                           else "graph replay (kernels seen inside the graph)")
+    if not rep["kernels_per_step"] and not rep["graph_launches_per_step"]:
+        rep["kernels_from"] = "the profiler saw no device activity (no CUDA, or no CUPTI access)"
+    elif profile_step.opaque(rep, 5 * len(lm.model.layers)):
+        rep["kernels_from"] = "graph replay was opaque to the profiler (no kernels inside)"
+    else:
+        rep["kernels_from"] = "graph replay (kernels seen inside the graph)"
     suffix = "-fp8" if fp8 else ""
     with open(os.path.join(args.out, f"profile-batch-b{n}{suffix}.json"), "w") as f:
         json.dump(rep, f, indent=2)
@@ -390,6 +408,12 @@ def main(argv=None) -> int:
             json.dump(sr._json_safe({"environment": env, "cases": results}), f, indent=2)
 
     from vllm_omni_graphdecode import config, stats
+
+    per_launch = config.parse({}).tokens_per_launch
+    if args.step_tokens % per_launch:
+        ap.error(f"--step-tokens {args.step_tokens}: accepted: a multiple of the tokens a launch "
+                 f"decodes ({per_launch}), so that no launch decodes steps the timing leaves out")
+
     from vllm_omni_graphdecode.hooks import sensenova_u1
 
     workdir = tempfile.mkdtemp(prefix="sensenova-batch-")
@@ -450,7 +474,7 @@ def main(argv=None) -> int:
     log(summary)
     if "step" in cases and device.type == "cuda" and not over_budget("step"):
         try:
-            bench_step(pipe, args, results, env)
+            bench_step(pipe, args, results, env, write)
         except Exception as exc:
             import traceback
 

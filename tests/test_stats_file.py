@@ -125,6 +125,58 @@ def test_a_forked_child_writes_its_own_file(monkeypatch, tmp_path):
     stats.reset()
 
 
+def _count_in_a_multiprocessing_child(n):
+    for _ in range(n):
+        stats.count("sensenova_u1", "replay")
+
+
+def test_a_multiprocessing_childs_last_interval_is_written_when_it_ends(monkeypatch, tmp_path):
+    """A multiprocessing child ends with os._exit(): no atexit there, and the trailing write's
+    daemon thread dies with it; its finalizers run _final_write."""
+    import multiprocessing
+
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)  # every count after the first waits
+    _use(monkeypatch, str(tmp_path / "stats-{pid}.json"))
+    child = multiprocessing.get_context("fork").Process(
+        target=_count_in_a_multiprocessing_child, args=(100,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    data = json.loads((tmp_path / f"stats-{child.pid}.json").read_text())
+    assert data["counters"] == {"sensenova_u1.replay": 100}
+    stats.reset()
+
+
+def test_a_trailing_write_from_before_a_reset_writes_nothing_after_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)
+    _use(monkeypatch, str(tmp_path / "first.json"))
+    stats.count("sensenova_u1", "replay")
+    before = stats._dump["generation"]
+    _use(monkeypatch, str(tmp_path / "second.json"))  # reset(), and the next case's file
+    stats.wired("graphdecode: the next case")
+    stats._trailing_write(before)  # a timer of the old case that fired as reset() ran
+    assert json.loads((tmp_path / "first.json").read_text())["counters"] == {
+        "sensenova_u1.replay": 1}
+    assert json.loads((tmp_path / "second.json").read_text())["wired"] == [
+        "graphdecode: the next case"]
+    assert stats.dump_path() == str(tmp_path / "second.json")
+    stats.reset()
+
+
+def test_counts_after_the_final_write_are_written_at_once(monkeypatch, tmp_path):
+    # Exit handlers registered before the plugin's run after its final write.
+    monkeypatch.setattr(stats, "DUMP_INTERVAL_S", 60.0)
+    _use(monkeypatch, str(tmp_path / "stats.json"))
+    stats.count("sensenova_u1", "replay")
+    stats._final_write()
+    stats.count("sensenova_u1", "replay")
+    assert stats._dump["timer"] is None
+    assert json.loads((tmp_path / "stats.json").read_text())["counters"] == {
+        "sensenova_u1.replay": 2}
+    stats.reset()
+    assert not stats._dump["exiting"]
+
+
 def test_final_counts_are_written_at_process_exit(tmp_path):
     template = str(tmp_path / "stats-{pid}.json")
     code = ("from vllm_omni_graphdecode import stats\n"

@@ -7,8 +7,10 @@ bug: the server would be slow and nobody would know why.
 The counters live in the process that loaded the model: in vLLM-Omni that is the diffusion worker,
 which no client can reach. ``VLLM_OMNI_GRAPHDECODE_STATS_FILE`` makes that process write its
 snapshot to a file (after each wiring and each fallback reason, at most once a second while events
-are counted, the last of them within a second of being counted, and at exit; a forked child
-writes a file of its own), so an end-to-end test or an operator can read what happened there.
+are counted, the last of them within a second of being counted, and at exit, a ``multiprocessing``
+child's exit included), so an end-to-end test or an operator can read what happened there. With
+``{pid}`` in the path each process writes a file of its own; a forked child's file starts from its
+parent's record at the fork. Without ``{pid}``, processes write over one file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import atexit
 import collections
 import json
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
@@ -34,7 +37,12 @@ _wired: list[str] = []
 _warned: set[tuple[str, str]] = set()
 
 DUMP_INTERVAL_S = 1.0
-_dump = {"resolved": False, "path": "", "last": 0.0, "atexit": False, "timer": None}
+# generation: bumped by reset() and a fork, so a trailing write scheduled before either does
+# nothing after it; exiting: set by the final write, after which every event is written at once
+# (no timer thread is left to run); finalize_pid: the process whose multiprocessing exit runs
+# _final_write.
+_dump = {"resolved": False, "path": "", "last": 0.0, "atexit": False, "timer": None,
+         "generation": 0, "exiting": False, "finalize_pid": None}
 _dump_lock = threading.Lock()
 _timer_lock = threading.Lock()
 
@@ -127,6 +135,11 @@ def dump_path() -> str:
         if _dump["path"] and not _dump["atexit"]:
             atexit.register(_final_write)
             _dump["atexit"] = True
+        if _dump["path"] and _dump["finalize_pid"] != os.getpid():
+            # A multiprocessing child ends with os._exit(): atexit does not run there, but its
+            # finalizers do (registered here, after the child's start cleared its parent's).
+            multiprocessing.util.Finalize(None, _final_write, exitpriority=0)
+            _dump["finalize_pid"] = os.getpid()
     return _dump["path"]
 
 
@@ -139,23 +152,32 @@ def write_snapshot(path: str) -> None:
     os.replace(tmp, path)
 
 
-def _maybe_dump(force: bool = False) -> None:
+def _maybe_dump(force: bool = False, generation: int | None = None) -> None:
+    """``generation``: a trailing write's, which writes nothing once reset() or a fork has
+    started another."""
     path = dump_path()
     if not path:
         return
     now = time.monotonic()
     wait = DUMP_INTERVAL_S - (now - _dump["last"])
-    if not force and wait > 0:
+    if not force and not _dump["exiting"] and wait > 0:
         _write_when_the_interval_ends(wait)
         return
     _dump["last"] = now
     try:
         with _dump_lock:
+            if generation is not None and generation != _dump["generation"]:
+                return
             write_snapshot(path)
-    except OSError as exc:  # a stats file must never break serving
+    except Exception as exc:  # a stats file must never break serving
         logger.warning("graphdecode: cannot write VLLM_OMNI_GRAPHDECODE_STATS_FILE %s: %s", path,
                        exc)
-        _dump["path"] = ""
+        try:
+            os.remove(f"{path}.{os.getpid()}.tmp")
+        except OSError:
+            pass
+        if _dump["path"] == path:  # not a path that reset() has resolved since
+            _dump["path"] = ""
 
 
 def _write_when_the_interval_ends(wait: float) -> None:
@@ -168,7 +190,7 @@ def _write_when_the_interval_ends(wait: float) -> None:
     with _timer_lock:
         if _dump["timer"] is not None:
             return
-        timer = threading.Timer(wait, _trailing_write)
+        timer = threading.Timer(wait, _trailing_write, args=(_dump["generation"],))
         timer.daemon = True
         _dump["timer"] = timer
     try:
@@ -179,10 +201,11 @@ def _write_when_the_interval_ends(wait: float) -> None:
         _maybe_dump(force=True)  # counting must not raise: write now instead
 
 
-def _trailing_write() -> None:
+def _trailing_write(generation: int) -> None:
     with _timer_lock:
-        _dump["timer"] = None
-    _maybe_dump(force=True)
+        if generation == _dump["generation"]:
+            _dump["timer"] = None
+    _maybe_dump(force=True, generation=generation)
 
 
 def _cancel_trailing_write() -> None:
@@ -193,7 +216,9 @@ def _cancel_trailing_write() -> None:
 
 
 def _final_write() -> None:
-    """At exit: the last snapshot, with no trailing write left to race it."""
+    """At exit: the last snapshot, with no trailing write left to race it; events counted
+    after it (by other exit handlers) are written at once."""
+    _dump["exiting"] = True
     _cancel_trailing_write()
     _maybe_dump(force=True)
 
@@ -203,7 +228,8 @@ def _after_fork_in_child() -> None:
     stats file afresh, with fresh locks (the parent's may have been held by its timer thread)."""
     global _lock, _dump_lock, _timer_lock
     _lock, _dump_lock, _timer_lock = threading.Lock(), threading.Lock(), threading.Lock()
-    _dump.update(resolved=False, path="", last=0.0, timer=None)
+    _dump.update(resolved=False, path="", last=0.0, timer=None, exiting=False,
+                 generation=_dump["generation"] + 1)
 
 
 if hasattr(os, "register_at_fork"):  # every platform vLLM runs on; not Windows
@@ -225,4 +251,6 @@ def reset() -> None:
         _wired.clear()
         _warned.clear()
     _cancel_trailing_write()
-    _dump.update(resolved=False, path="", last=0.0)
+    with _dump_lock:  # a trailing write already writing finishes first; later ones do nothing
+        _dump.update(resolved=False, path="", last=0.0, exiting=False,
+                     generation=_dump["generation"] + 1)
