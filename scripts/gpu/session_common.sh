@@ -6,6 +6,9 @@
 #                                            one whole think text-to-image request at the
 #                                            real shape, the release beside the plugin
 #   unpack                                   every carried .gpu-bundle* into /tmp/site*
+#   warm_fa2_213                             FA2's first call in the background, once torch 2.13
+#                                            and the 0.30 tree are unpacked
+#   on213 COMMAND...                         COMMAND on the 0.30 stack with torch 2.13
 #   reap                                     what a cut engine or serving test left running
 #                                            (after each suite; GRAPHDECODE_REAP=0: not, for
 #                                            suites run side by side)
@@ -65,6 +68,21 @@ request() {
 }
 unpack() {
   for u in .gpu-bundle*/unpack.py; do python3 "$u" >>"$res/unpack.log" 2>&1; done
+}
+warm_fa2_213() {
+  # Once torch 2.13 and the 0.30 tree are unpacked, vllm-omni 0.30's FA2 compiles its PTX in the
+  # background (its first call on a machine: 96-129 s), once per machine; log /tmp/warm-fa2.log.
+  if [ -f /tmp/site-torch-2.13.0/.bundle-state.json ] && [ -d /tmp/site-omni-0.30.0 ] \
+      && [ ! -f /tmp/warm-fa2.started ]; then
+    touch /tmp/warm-fa2.started
+    (site=/tmp/site && source scripts/gpu/torch213_env.sh \
+      && PYTHONPATH=$torch_site:$here:$omni_site:$site setsid nohup python3 \
+        scripts/gpu/warm_fa2.py >/tmp/warm-fa2.log 2>&1 &)
+  fi
+}
+on213() {  # on213 COMMAND...: COMMAND on the 0.30 stack with torch 2.13, in a subshell
+  (site=/tmp/site && source scripts/gpu/torch213_env.sh \
+    && PYTHONPATH=$torch_site:$here:/tmp/site-project:$omni_site:$site "$@")
 }
 finish() {
   tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what"

@@ -26,13 +26,7 @@ export STACK=0.30 TORCH=2.13
 case "$what" in
   u)
     unpack
-    if [ -f /tmp/site-torch-2.13.0/.bundle-state.json ] && [ -d /tmp/site-omni-0.30.0 ] \
-        && [ ! -f /tmp/warm-fa2.started ]; then
-      touch /tmp/warm-fa2.started
-      (site=/tmp/site && source scripts/gpu/torch213_env.sh \
-        && PYTHONPATH=$torch_site:$here:$omni_site:$site setsid nohup python3 \
-          scripts/gpu/warm_fa2.py >/tmp/warm-fa2.log 2>&1 &)
-    fi
+    warm_fa2_213
     ;;
   s1)
     suite 230 suite-decode tests/test_sensenova_gpu.py -q -rfE --durations=20
