@@ -46,3 +46,29 @@ def test_no_stats_variable_means_no_files(tmp_path, monkeypatch):
     (tmp_path / "stats-1.json").write_text("{}")
     assert e2e_engine._stats_files() == {}
     assert e2e_engine._written_since({}) == []
+
+
+def _evaluate(folder):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "gpu",
+                                                        "evaluate_engine_runs.py"),
+                           os.path.join(root, "benchmarks", "results", folder)],
+                          capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout
+
+
+def test_engine_file_evaluated_on_the_runs_a_gpu_call_brought_back():
+    """GRAPHDECODE_E2E_FROM: the engine file's assertions on committed H200 runs, without a GPU.
+    h200-2026-12-02c's runs (summary.json there) pass whole; h200-2026-12-02b's carry the stats
+    file that missed its last second (fixed since) and no runner statuses."""
+    rc, out = _evaluate("h200-2026-12-02c/s2/suite-engine-1/e2e")
+    assert rc == 0 and "25 passed" in out, out[-2000:]
+    rc, out = _evaluate("h200-2026-12-02b/engine-0.30-torch2.13")
+    assert rc == 1, out[-2000:]
+    assert "FAILED tests/test_e2e_engine_gpu.py::test_worker_stats_show_wiring_and_graph_replays" \
+           "_in_the_worker_process[allow_ours]" in out
+    assert "1 failed, 20 passed, 4 skipped" in out
+    assert "exit status was not recorded" in out

@@ -224,8 +224,9 @@ def _final_write() -> None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has its own pid (its own file) and none of the parent's threads: start its
-    stats file afresh, with fresh locks (the parent's may have been held by its timer thread)."""
+    """A forked child has its own pid (its own file where the path names ``{pid}``) and none of
+    the parent's threads: resolve its file afresh, with fresh locks (the parent's may have been
+    held by its timer thread)."""
     global _lock, _dump_lock, _timer_lock
     _lock, _dump_lock, _timer_lock = threading.Lock(), threading.Lock(), threading.Lock()
     _dump.update(resolved=False, path="", last=0.0, timer=None, exiting=False,

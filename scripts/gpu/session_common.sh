@@ -75,9 +75,7 @@ warm_fa2_213() {
   if [ -f /tmp/site-torch-2.13.0/.bundle-state.json ] && [ -d /tmp/site-omni-0.30.0 ] \
       && [ ! -f /tmp/warm-fa2.started ]; then
     touch /tmp/warm-fa2.started
-    (site=/tmp/site && source scripts/gpu/torch213_env.sh \
-      && PYTHONPATH=$torch_site:$here:$omni_site:$site setsid nohup python3 \
-        scripts/gpu/warm_fa2.py >/tmp/warm-fa2.log 2>&1 &)
+    (on213 setsid nohup python3 scripts/gpu/warm_fa2.py >/tmp/warm-fa2.log 2>&1 &)
   fi
 }
 on213() {  # on213 COMMAND...: COMMAND on the 0.30 stack with torch 2.13, in a subshell
