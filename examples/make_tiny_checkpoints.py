@@ -176,39 +176,107 @@ def sensenova_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_tensors(shapes: dict[str, tuple[int, ...]], *, seed=0, dtype=torch.bfloat16):
-    """Norm weights near 1, everything else small and random (fan-in scaled)."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
+def iter_random_tensors(shapes: dict[str, tuple[int, ...]], *, seed=0, dtype=torch.bfloat16,
+                        device="cpu"):
+    """(name, tensor) in ``shapes`` order, drawn on ``device`` from one seeded generator: norm
+    weights near 1, everything else small and random (fan-in scaled)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, shape in shapes.items():
         if "norm" in name and name.endswith(".weight"):
-            t = 1.0 + 0.05 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.05 * torch.randn(shape, generator=gen, device=device)
         elif name.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=gen)
+            t = 0.02 * torch.randn(shape, generator=gen, device=device)
         else:
             fan_in = math.prod(shape[1:]) if len(shape) > 1 else shape[0]
-            t = torch.randn(shape, generator=gen) / fan_in ** 0.5
-        out[name] = t.to(dtype).contiguous()
-    return out
+            t = torch.randn(shape, generator=gen, device=device) / fan_in ** 0.5
+        yield name, t.to(dtype).contiguous()
 
 
-def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16,
-                       **config_overrides) -> dict:
+def random_tensors(shapes: dict[str, tuple[int, ...]], *, seed=0, dtype=torch.bfloat16):
+    """Every tensor of ``shapes`` on the CPU (``iter_random_tensors``)."""
+    return dict(iter_random_tensors(shapes, seed=seed, dtype=dtype))
+
+
+def save_sharded(tensors, path: str, shard_bytes: int) -> list[str]:
+    """Save (name, tensor) pairs as ``model-0000i-of-0000n.safetensors`` files of at most
+    ``shard_bytes`` each (a larger tensor gets a file of its own) and the
+    ``model.safetensors.index.json`` a loader reads them by. Each shard is written, and its
+    tensors let go, as soon as it is full. Returns the file names."""
+    from safetensors.torch import save_file
+
+    written: list[tuple[str, list[str]]] = []  # (temporary file, its tensor names)
+    shard: dict = {}
+    size = total = 0
+
+    def flush():
+        nonlocal total
+        tmp = os.path.join(path, f".shard-{len(written)}.partial")
+        on_cpu = {k: v.cpu() for k, v in shard.items()}
+        save_file(on_cpu, tmp, metadata={"format": "pt"})
+        total += sum(v.numel() * v.element_size() for v in on_cpu.values())
+        written.append((tmp, list(shard)))
+        shard.clear()
+
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        shard[name] = t
+        size += nbytes
+    if shard or not written:
+        flush()
+    names, weight_map = [], {}
+    for i, (tmp, keys) in enumerate(written):
+        fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.replace(tmp, os.path.join(path, fname))
+        weight_map.update(dict.fromkeys(keys, fname))
+        names.append(fname)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return names
+
+
+def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16, cfg: dict | None = None,
+                       device="cpu", shard_bytes: int | None = None,
+                       silent_tokens: tuple[str, ...] = (), **config_overrides) -> dict:
+    """The checkpoint directory. ``cfg``: a whole ``config.json`` instead of ``sensenova_config``
+    at the tokenizer's vocabulary with ``config_overrides`` (the released shape, say); ``device``:
+    where the weights are drawn; ``shard_bytes``: sharded files with an index instead of one
+    ``model.safetensors``; ``silent_tokens``: their ``lm_head`` rows zeroed, so that the model
+    never picks them (every think and text answer then runs to its limit)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     tokenizer = byte_level_tokenizer(SENSENOVA_SPECIAL_TOKENS, chat_template=QWEN_CHAT_TEMPLATE)
     tokenizer.save_pretrained(path)
-    cfg = sensenova_config(_padded_vocab(len(tokenizer)), **config_overrides)
+    if cfg is None:
+        cfg = sensenova_config(_padded_vocab(len(tokenizer)), **config_overrides)
+    elif config_overrides:
+        raise TypeError(f"cfg and config overrides together: {sorted(config_overrides)}")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
                    "pad_token_id": tokenizer.pad_token_id}, f, indent=2)
-    tensors = random_tensors(sensenova_tensor_shapes(cfg), seed=seed, dtype=dtype)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return {"config": cfg, "num_tensors": len(tensors),
-            "num_params": sum(t.numel() for t in tensors.values())}
+    silent = [tokenizer.convert_tokens_to_ids(t) for t in silent_tokens]
+    counts = {"num_tensors": 0, "num_params": 0}
+
+    def drawn():
+        for name, t in iter_random_tensors(sensenova_tensor_shapes(cfg), seed=seed, dtype=dtype,
+                                           device=device):
+            if silent and name == "language_model.lm_head.weight":
+                t[silent] = 0
+            counts["num_tensors"] += 1
+            counts["num_params"] += t.numel()
+            yield name, t
+
+    if shard_bytes is None:
+        save_file(dict(drawn()), os.path.join(path, "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        save_sharded(drawn(), path, shard_bytes)
+    return {"config": cfg, **counts}
 
 
 # --------------------------------------------------------------------------------------------

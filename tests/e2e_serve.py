@@ -19,6 +19,12 @@ Scenarios (the request kinds the summary names):
   ``--max-num-seqs N``): ceil(N/2) text answers of distinct prompts and N/2 think images of
   distinct prompts and seeds (``sensenova_mixed``), all sent at once, texts first, then the same
   N one at a time; both recorded, each image as ``.npy``. No sleep phase.
+* ``sensenova_load``: what ``benchmarks/sensenova_serve.py`` times (no comparison of answers):
+  one warm-up text answer and think image, then ``sensenova_load_text_N`` (N text answers of
+  distinct ``--text-prompt-chars``-byte prompts, greedy ``max_tokens``) and
+  ``sensenova_load_think_N`` (N think images of ``--image-size``, distinct prompts and seeds),
+  each kind's N sent all at once; per request its latency, per kind the wall time from the first
+  send to the last answer. Images as sha256 and mean only. No sleep phase.
 * ``qwen``: ``qwen_t2i`` (``/v1/images/generations``), ``qwen_edit`` (``/v1/images/edits`` with
   two reference images), ``qwen_edit_chat`` (the same edit through ``/v1/chat/completions`` with
   two ``image_url`` parts), ``qwen_concurrent_N`` (N text-to-image requests of distinct seeds,
@@ -71,7 +77,7 @@ EDIT_PROMPT = "put the cube from the first image on the table from the second"
 SEED = 0
 IMAGE_SIZE = 32  # SenseNova-U1 tiny: 16 px per latent token; Qwen tiny: VAE 16x
 SLEEP_ENDPOINTS = ("/v1/omni/sleep", "/v1/omni/wakeup")
-SCENARIOS = ("sensenova", "sensenova_batch", "qwen", "qwen_t2i", "refusal")
+SCENARIOS = ("sensenova", "sensenova_batch", "sensenova_load", "qwen", "qwen_t2i", "refusal")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one extra argument of `vllm serve` (repeatable; write --serve-arg=--x)")
     p.add_argument("--text-tokens", type=int, default=32, help="greedy max_tokens (SenseNova)")
     p.add_argument("--sensenova-steps", type=int, default=2, help="think image steps (>= 2)")
+    p.add_argument("--image-size", type=int, default=IMAGE_SIZE,
+                   help="sensenova_load: the think images' height and width")
+    p.add_argument("--text-prompt-chars", type=int, default=64,
+                   help="sensenova_load: bytes of each text prompt (a token a byte here)")
     p.add_argument("--qwen-steps", type=int, default=4, help="Qwen steps: 0 extracts, rest replay")
     p.add_argument("--concurrent", type=int, default=8,
                    help="concurrent requests: Qwen's, and sensenova_batch's mixed ones")
@@ -254,11 +264,11 @@ def sensenova_text(client, model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def sensenova_think_image(client, model: str, steps: int, prompt: str = THINK_PROMPT,
-                          seed: int = SEED) -> dict:
+                          seed: int = SEED, size: int = IMAGE_SIZE) -> dict:
     body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
         modalities=["image"], seed=seed,
-        extra_body={"think": True, "height": IMAGE_SIZE, "width": IMAGE_SIZE,
+        extra_body={"think": True, "height": size, "width": size,
                     "num_inference_steps": steps}))
     urls = chat_images(body)
     if len(urls) != 1:
@@ -459,6 +469,56 @@ def run_sensenova_batch(rec: Recorder, client, url: str, model: str, args) -> No
     _step(rec, kind, mixed)
 
 
+def load_prompt(i: int, chars: int) -> str:
+    """Text prompt ``i`` of the load scenario: ``chars`` bytes of words, distinct for each ``i``
+    and the same in every run."""
+    text, j = "", 0
+    while len(text) < chars:
+        text += f"{' ' if text else ''}w{(i * 7919 + j * 104729) % 150000}"
+        j += 1
+    return text[:chars]
+
+
+def _loaded(fns: list) -> dict:
+    """The requests of ``fns`` all at once: each one's latency and answer, the wall time."""
+    answers, wall = concurrently(fns)
+    out = []
+    for a in answers:
+        entry = {k: v for k, v in a.items() if k != "image"}
+        if "image" in a:
+            entry["image_sha256"] = hashlib.sha256(a["image"].tobytes()).hexdigest()
+            entry["image_shape"] = list(a["image"].shape)
+            entry["image_mean"] = float(a["image"].mean())
+        if isinstance(entry.get("think_text"), str):
+            entry["think_chars"] = len(entry["think_text"])
+            entry["think_text"] = entry["think_text"][:200]
+        if isinstance(entry.get("text"), str):
+            entry["text_chars"] = len(entry["text"])
+            entry["text"] = entry["text"][:200]
+        out.append(entry)
+    return {"wall_s": wall, "latency_s": [a["s"] for a in answers], "answers": out}
+
+
+def run_sensenova_load(rec: Recorder, client, url: str, model: str, args) -> None:
+    """One warm-up of each kind, then N text answers at once, then N think images at once."""
+    n = args.concurrent
+
+    def text(i):
+        return sensenova_text(client, model, load_prompt(i, args.text_prompt_chars),
+                              args.text_tokens)
+
+    def think(i):
+        return sensenova_think_image(client, model, args.sensenova_steps, _nth(THINK_PROMPTS, i),
+                                     MIXED_SEED + i, args.image_size)
+
+    _step(rec, "sensenova_load_warmup", lambda: _loaded([lambda: text(n)]) | {
+        "think": _loaded([lambda: think(n)])})
+    _step(rec, f"sensenova_load_text_{n}",
+          lambda: _loaded([(lambda i=i: text(i)) for i in range(n)]))
+    _step(rec, f"sensenova_load_think_{n}",
+          lambda: _loaded([(lambda i=i: think(i)) for i in range(n)]))
+
+
 def run_qwen(rec: Recorder, client, url: str, model: str, args, only_t2i: bool = False) -> None:
     _step(rec, "qwen_t2i", lambda: rec.entry("qwen_t2i", qwen_t2i(client, model, args.qwen_steps)))
     if only_t2i:
@@ -519,6 +579,8 @@ def main(argv=None) -> int:
             run_sensenova(rec, client, server.url, model, args)
         elif args.scenario == "sensenova_batch":
             run_sensenova_batch(rec, client, server.url, model, args)
+        elif args.scenario == "sensenova_load":
+            run_sensenova_load(rec, client, server.url, model, args)
         else:
             run_qwen(rec, client, server.url, model, args, only_t2i=args.scenario == "qwen_t2i")
         failed = any("error" in e for e in rec.report["requests"].values())

@@ -15,7 +15,9 @@
   first, then think images, all distinct), each concurrent answer recorded beside its own serial
   answer, and the serving test's verdicts on them: ``mixed_equal`` (exact: a text one character
   off, an image one level off both count), ``batch_evidence`` (what the batch counters prove) and
-  the summary's entry.
+  the summary's entry;
+* the ``sensenova_load`` scenario (benchmarks/sensenova_serve.py) against a stub that echoes:
+  the warm-ups, then each kind's requests at the asked size, steps and token limit, all distinct.
 """
 
 from __future__ import annotations
@@ -373,3 +375,62 @@ def test_summary_entry_of_the_mixed_batch_says_refused_off_equal_on_and_what_bat
     assert entry["latency_s_on"] == _mixed_entry(mixed_run)["concurrent_wall_s"]
     assert entry["serial_s_on"] == _mixed_entry(mixed_run)["serial_s"]
     assert summary["servers"]["sensenova_batch8_off"]["start"] == "exited"
+
+
+class _RecordingEchoStub(_EchoStub):
+    """``_EchoStub`` that also keeps each request's body (a list of its own)."""
+
+    bodies: ClassVar[list] = []
+
+    def do_POST(self):
+        import io
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.bodies.append(json.loads(body))
+        self.rfile = io.BytesIO(body)
+        super().do_POST()
+
+
+def test_load_scenario_sends_warmups_then_each_kind_at_once_at_the_asked_shape(tmp_path):
+    """``sensenova_load`` (what benchmarks/sensenova_serve.py times): one warm-up of each kind,
+    then N text answers and N think images, each request read by vLLM-Omni's own chat handler as
+    the size, steps, think flag and token limit asked for, every prompt distinct."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RecordingEchoStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        args = e2e_serve.parse_args([
+            "--scenario", "sensenova_load", "--model", "tiny", "--out", str(tmp_path),
+            "--concurrent", "3", "--image-size", "1024", "--sensenova-steps", "50",
+            "--text-tokens", "512", "--text-prompt-chars", "500"])
+        rec = e2e_serve.Recorder(str(tmp_path), {"scenario": args.scenario})
+        e2e_serve.run_sensenova_load(rec, e2e_serve.make_client(url, 30), url, "tiny", args)
+    finally:
+        server.shutdown()
+    report = json.loads((tmp_path / "result.json").read_text())["requests"]
+    assert list(report) == ["sensenova_load_warmup", "sensenova_load_text_3",
+                            "sensenova_load_think_3"]
+    bodies = _RecordingEchoStub.bodies
+    assert len(bodies) == 2 + 3 + 3
+    texts = [b for b in bodies if b["modalities"] == ["text"]]
+    thinks = [b for b in bodies if b["modalities"] == ["image"]]
+    assert len(texts) == len(thinks) == 4
+    for body in texts:
+        _, extras, _ = _diffusion_args(body, "SenseNovaU1Pipeline")
+        assert extras["max_tokens"] == 512
+        assert len(body["messages"][0]["content"]) == 500
+    for body in thinks:
+        _, extras, diffusion = _diffusion_args(body, "SenseNovaU1Pipeline")
+        assert extras["think"] is True
+        assert (diffusion["height"], diffusion["width"], diffusion["num_inference_steps"]) == (
+            1024, 1024, 50)
+    assert len({b["messages"][0]["content"] for b in texts}) == 4
+    assert len({(b["messages"][0]["content"][0]["text"], b["seed"]) for b in thinks}) == 4
+    for kind in ("sensenova_load_text_3", "sensenova_load_think_3"):
+        entry = report[kind]
+        assert "error" not in entry, entry.get("traceback")
+        assert len(entry["answers"]) == len(entry["latency_s"]) == 3
+        assert entry["wall_s"] >= max(entry["latency_s"])
+    think = report["sensenova_load_think_3"]["answers"]
+    assert all(a["image_shape"] == [32, 32, 3] and "image" not in a for a in think)
+    assert len({a["think_text"] for a in think}) == 3

@@ -1,0 +1,241 @@
+"""SenseNova-U1 under load over HTTP: ``vllm serve MODEL --omni`` as users start it, N requests
+sent at once with the ``openai`` client, the release one at a time against the plugin's batch
+(issue #22: "one run over HTTP at N = 8 on the real shape").
+
+    python3 benchmarks/sensenova_serve.py --out DIR [--sides release,plugin] [--n 8]
+                                          [--checkpoint DIR] [--tiny]
+
+``sensenova_batch.py`` calls ``forward`` as vLLM-Omni's runner does; this starts the server
+(``tests/e2e_serve.py --scenario sensenova_load``, one server per side, one after the other on
+the same GPU), so the figures include the API server, the engine's scheduler, the request queue,
+the image's PNG round trip and when requests happen to arrive.
+
+- ``release``: ``VLLM_OMNI_GRAPHDECODE=0``, the server's defaults: ``--max-num-seqs 1`` (the
+  release refuses more for this pipeline), so the N requests queue and run one after another
+  (vllm-omni 0.30: its in-tree paged decode).
+- ``plugin``: ``VLLM_OMNI_GRAPHDECODE=1``, otherwise defaults, and ``--max-num-seqs N``: the
+  plugin declares request batching and the requests the engine hands one ``forward`` decode as
+  rows of its batched step; its counters (``VLLM_OMNI_GRAPHDECODE_STATS_FILE``) say how the
+  engine grouped them.
+
+Each server first answers one warm-up request of each kind (untimed: first-call compiles and
+captures), then N text answers at once (``--text-prompt-chars``-byte prompts, ``--text-tokens``
+greedy tokens) and N think text-to-image requests at once (``--size``, ``--steps``, the
+pipeline's CFG 4 and 1,024 think tokens). ``eager_ms``: the release's wall time from the first
+send to the last answer; ``ours_ms``: the plugin's; p50/p99 of the requests' latencies as the
+client saw them. Both sides may run in one call or in two (``--sides``): each side's record is kept
+in ``sensenova-serve.json`` and the rows are rebuilt from whatever both sides have.
+
+The checkpoint (``--checkpoint``, written there unless it is already complete): the released
+shape (``sensenova_request.real_config``: 42 layers, hidden 4096, vocabulary 151,936; ~17.5 B
+parameters, ~35 GB) with random bf16 weights drawn on the GPU and the tiny checkpoints' byte-level
+tokenizer (one token a byte), the end tokens' ``lm_head`` rows zero so that every think runs
+1,024 tokens and every text answer to its limit. ``--tiny``: the tiny checkpoint's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+
+DRIVER = os.path.join(ROOT, "tests", "e2e_serve.py")
+SIDES = ("release", "plugin")
+SILENT = ("<|im_end|>", "</think>")  # the think loop's and the answer's stops
+SHARD_BYTES = 4 << 30
+MODEL_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
+
+
+def log(msg):
+    print(f"[sensenova-serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def write_checkpoint(path: str, *, tiny: bool, device: str, seed: int = 0) -> dict:
+    """The serving checkpoint (module docstring); kept when ``path`` already holds a complete one
+    (its ``config.json`` written last)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import make_tiny_checkpoints as tiny
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return {"path": path, "written": False}
+    cfg = None
+    if not tiny:
+        import sensenova_request as sr
+
+        cfg = sr.real_config()
+    started = time.perf_counter()
+    partial = path + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier run cut short
+    info = tiny.write_sensenova_u1(partial, seed=seed, cfg=cfg, device=device,
+                                   shard_bytes=SHARD_BYTES, silent_tokens=SILENT)
+    os.replace(partial, path)  # only a complete checkpoint ever has this name
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"path": path, "written": True, "num_params": info["num_params"],
+            "num_tensors": info["num_tensors"], "seconds": round(time.perf_counter() - started, 1)}
+
+
+def run_side(side: str, args, checkpoint: str) -> dict:
+    """One server, the load scenario against it; the driver's ``result.json`` and timings."""
+    out = os.path.join(args.out, side)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("VLLM_OMNI_GRAPHDECODE") and k != "VLLM_PLUGINS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    serve_args = list(MODEL_ARGS)
+    if side == "plugin":
+        env["VLLM_OMNI_GRAPHDECODE"] = "1"
+        env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
+        serve_args += ["--max-num-seqs", str(args.n)]
+    else:
+        env["VLLM_OMNI_GRAPHDECODE"] = "0"
+    cmd = [sys.executable, DRIVER, "--scenario", "sensenova_load", "--model", checkpoint,
+           "--out", out, "--concurrent", str(args.n), "--image-size", str(args.size),
+           "--sensenova-steps", str(args.steps), "--text-tokens", str(args.text_tokens),
+           "--text-prompt-chars", str(args.text_prompt_chars),
+           "--init-timeout", str(args.init_timeout), "--request-timeout",
+           str(args.request_timeout)] + [f"--serve-arg={a}" for a in serve_args]
+    log(f"{side}: {' '.join(cmd)}")
+    started = time.perf_counter()
+    with open(os.path.join(out, "driver.log"), "w") as f:
+        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                            check=False).returncode
+    result = None
+    path = os.path.join(out, "result.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            result = json.load(f)
+    took = round(time.perf_counter() - started, 1)
+    log(f"{side}: driver exited {rc} after {took} s")
+    return {"rc": rc, "seconds": took, "env": {k: v for k, v in env.items()
+                                               if k.startswith("VLLM_OMNI_GRAPHDECODE")},
+            "serve_args": serve_args, "result": result}
+
+
+def percentiles(values: list[float]) -> dict:
+    v = sorted(values)
+    if not v:
+        return {}
+    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]}
+
+
+BATCH_COUNTERS = ("batch_forward", "batch_requests", "batch_launch", "batch_rows",
+                  "batch_row_join", "batch_eager_launch")
+
+
+def counters(side: dict | None, part: str = "counters") -> dict:
+    """The plugin's ``counters`` (or ``fallbacks``) summed over the server's processes, from
+    what each wrote at exit."""
+    snaps = ((side or {}).get("result") or {}).get("final_stats") or []
+    out: dict[str, int] = {}
+    for snap in snaps:
+        for key, value in (snap.get(part) or {}).items():
+            if isinstance(value, int):
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def _kind(side: dict | None, kind: str) -> dict | None:
+    entry = (((side or {}).get("result") or {}).get("requests") or {}).get(kind)
+    return entry if entry and "wall_s" in entry else None
+
+
+def rows(sides: dict, args) -> list[dict]:
+    """The cases both sides have: wall times, throughput, latency percentiles."""
+    import common
+
+    names = {f"sensenova_load_text_{args.n}": f"sensenova_serve_text_n{args.n}",
+             f"sensenova_load_think_{args.n}":
+                 f"sensenova_serve_think_t2i_{args.size}_n{args.n}"}
+    out = []
+    for kind, case in names.items():
+        release, plugin = _kind(sides.get("release"), kind), _kind(sides.get("plugin"), kind)
+        if release is None and plugin is None:
+            continue
+        row = common.case(case, release and 1000 * release["wall_s"],
+                          plugin and 1000 * plugin["wall_s"], None, requests=args.n)
+        for name, entry in (("eager", release), ("ours", plugin)):
+            if entry is not None:
+                lat = percentiles([1000 * s for s in entry["latency_s"]])
+                row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
+                row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
+        row["plugin_counters_whole_run"] = {k: v for k, v in counters(sides.get("plugin")).items()
+                                  if k.rsplit(".", 1)[-1] in BATCH_COUNTERS}
+        row["plugin_fallbacks_whole_run"] = counters(sides.get("plugin"), "fallbacks")
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sides", default="release,plugin",
+                    help="which servers to run now, in order (release, plugin)")
+    ap.add_argument("--n", type=int, default=8, help="requests sent at once, per kind")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--text-prompt-chars", type=int, default=500,
+                    help="bytes of each text prompt (one token each; the template adds ~12)")
+    ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--checkpoint", default=None,
+                    help="the serving checkpoint's folder (written there if not complete; "
+                         "default: OUT/../sensenova-u1-serve-checkpoint)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint's shape")
+    ap.add_argument("--device", default="cuda", help="where the checkpoint's weights are drawn")
+    ap.add_argument("--init-timeout", type=int, default=600)
+    ap.add_argument("--request-timeout", type=int, default=900)
+    args = ap.parse_args(argv)
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        ap.error(f"--sides {args.sides}: unknown {unknown}; accepted: {', '.join(SIDES)}")
+    if args.tiny and args.size % 16:
+        ap.error(f"--size {args.size}: the tiny model needs a multiple of 16")
+    os.makedirs(args.out, exist_ok=True)
+    checkpoint = args.checkpoint or os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                                                 "sensenova-u1-serve-checkpoint")
+    path = os.path.join(args.out, "sensenova-serve.json")
+    record = {"environment": {}, "sides": {}, "cases": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            record = json.load(f)
+    import common
+
+    env = record["environment"]
+    env.setdefault("commands", []).append(" ".join([os.path.basename(sys.executable)] + sys.argv))
+    env["versions"] = common.versions()
+    env["args"] = vars(args)
+    env["checkpoint"] = write_checkpoint(checkpoint, tiny=args.tiny, device=args.device)
+    log(f"checkpoint: {env['checkpoint']}")
+    import torch
+
+    if torch.cuda.is_available():
+        env.update(common.gpu_info())
+
+    def write():
+        record["cases"] = rows(record["sides"], args)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2, default=str)
+
+    write()
+    for side in sides:
+        record["sides"][side] = run_side(side, args, checkpoint)
+        write()
+    print(json.dumps(record["cases"], indent=2))
+    return 0 if all(record["sides"][s]["rc"] == 0 for s in sides) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""CPU checks of the HTTP load benchmark (``benchmarks/sensenova_serve.py``) and what it builds
+on: the sharded serving checkpoint (read back by vLLM-Omni's own loader), the load scenario's
+prompts and per-request records (``tests/e2e_serve.py``), the rows both sides make, and the
+arguments it refuses. The servers themselves run on the GPU host only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tiny = _module("make_tiny_checkpoints", os.path.join(ROOT, "examples", "make_tiny_checkpoints.py"))
+driver = _module("e2e_serve", os.path.join(ROOT, "tests", "e2e_serve.py"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+serve = _module("sensenova_serve", os.path.join(ROOT, "benchmarks", "sensenova_serve.py"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The tiny SenseNova-U1 checkpoint twice from one seed: one file, and sharded (shards far
+    smaller than the model, so several) with the end tokens silenced."""
+    out = tmp_path_factory.mktemp("serve_ckpt")
+    single, sharded = str(out / "single"), str(out / "sharded")
+    tiny.write_sensenova_u1(single, seed=5)
+    info = tiny.write_sensenova_u1(sharded, seed=5, shard_bytes=256 << 10,
+                                   silent_tokens=serve.SILENT)
+    return single, sharded, info
+
+
+def test_sharded_checkpoint_has_every_tensor_once_and_an_index(checkpoints):
+    from safetensors.torch import load_file
+
+    single, sharded, info = checkpoints
+    with open(os.path.join(sharded, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2, files
+    assert files == sorted(f for f in os.listdir(sharded) if f.endswith(".safetensors"))
+    assert not [f for f in os.listdir(sharded) if f.endswith(".partial")]
+    n = len(files)
+    assert all(f.startswith("model-") and f.endswith(f"-of-{n:05d}.safetensors") for f in files)
+    whole = load_file(os.path.join(single, "model.safetensors"))
+    parts = {}
+    for f in files:
+        tensors = load_file(os.path.join(sharded, f))
+        assert set(tensors) == {k for k, v in index["weight_map"].items() if v == f}
+        # At most the shard size unless one tensor alone is larger.
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 256 << 10 or len(tensors) == 1, (f, size)
+        parts.update(tensors)
+    assert set(parts) == set(whole) and info["num_tensors"] == len(whole)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for t in parts.values())
+    silent = [tiny.byte_level_tokenizer(tiny.SENSENOVA_SPECIAL_TOKENS).convert_tokens_to_ids(t)
+              for t in serve.SILENT]
+    head = "language_model.lm_head.weight"
+    for name, t in whole.items():
+        if name != head:
+            assert torch.equal(parts[name], t), name
+    assert torch.equal(parts[head][silent], torch.zeros_like(parts[head][silent]))
+    keep = [i for i in range(whole[head].shape[0]) if i not in silent]
+    assert torch.equal(parts[head][keep], whole[head][keep])
+    assert whole[head][silent].abs().sum() > 0  # silencing changed something
+
+
+def test_sharded_checkpoint_loads_through_vllm_omni_and_never_picks_an_end_token(checkpoints):
+    """vLLM-Omni's loader reads the shards through their index: every parameter as from the
+    single file, but the end tokens' ``lm_head`` rows, which are zero (logit 0 whatever the
+    hidden state)."""
+    from vllm_omni_graphdecode.testing import random_models as rm
+
+    single, sharded, _ = checkpoints
+    a = rm.load_sensenova_pipeline(single)
+    b = rm.load_sensenova_pipeline(sharded)
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert set(pa) == set(pb)
+    head = "language_model.lm_head.weight"
+    silent = [b.tokenizer.convert_tokens_to_ids(t) for t in serve.SILENT]
+    for name in pa:
+        if name != head:
+            torch.testing.assert_close(pb[name], pa[name], rtol=0, atol=0, msg=name)
+    assert torch.count_nonzero(pb[head][silent]) == 0
+    keep = torch.ones(pb[head].shape[0], dtype=torch.bool)
+    keep[silent] = False
+    torch.testing.assert_close(pb[head][keep], pa[head][keep], rtol=0, atol=0)
+
+
+def test_cfg_and_overrides_together_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="num_layers"):
+        tiny.write_sensenova_u1(str(tmp_path / "x"), cfg=tiny.sensenova_config(384), num_layers=3)
+
+
+def test_load_prompts_are_distinct_and_of_the_asked_length():
+    prompts = [driver.load_prompt(i, 500) for i in range(16)]
+    assert len(set(prompts)) == 16
+    assert all(len(p.encode()) == 500 for p in prompts)
+    assert driver.load_prompt(3, 500) == prompts[3]  # the same in every run
+    assert len(driver.load_prompt(0, 7)) == 7
+
+
+def _answers(kind: str, n: int, spacing: float):
+    """``n`` callables shaped like the driver's request functions (their return value's keys),
+    the i-th taking ``spacing * (i + 1)`` seconds."""
+    import numpy as np
+
+    def one(i):
+        time.sleep(spacing * (i + 1))
+        if kind == "text":
+            return {"text": f"answer {i} " * 40, "s": round(spacing * (i + 1), 3)}
+        return {"think_text": "t" * (300 + i), "s": round(spacing * (i + 1), 3),
+                "image": np.full((16, 16, 3), i, dtype=np.uint8)}
+    return [(lambda i=i: one(i)) for i in range(n)]
+
+
+def test_loaded_records_each_latency_the_wall_time_and_no_pixels():
+    text = driver._loaded(_answers("text", 4, 0.02))
+    assert len(text["answers"]) == 4 and text["latency_s"] == [0.02, 0.04, 0.06, 0.08]
+    # All at once: the wall time is the slowest request's, not their sum.
+    assert 0.08 <= text["wall_s"] < 0.2
+    assert text["answers"][0]["text_chars"] == len("answer 0 " * 40)
+    assert len(text["answers"][0]["text"]) == 200
+    think = driver._loaded(_answers("think", 2, 0.01))
+    first = think["answers"][0]
+    assert "image" not in first and first["image_shape"] == [16, 16, 3]
+    assert first["think_chars"] == 300 and len(first["think_text"]) == 200
+    assert think["answers"][0]["image_sha256"] != think["answers"][1]["image_sha256"]
+    json.dumps(think)  # what result.json holds
+
+
+def _side(text_wall, think_wall, text_lat, think_lat, counters=None):
+    def kind(wall, lat):
+        return {"wall_s": wall, "latency_s": lat, "answers": [{"s": s} for s in lat]}
+    snaps = [{"counters": counters, "fallbacks": {}}] if counters else []
+    return {"rc": 0, "result": {"requests": {
+        "sensenova_load_warmup": {"wall_s": 1.0, "latency_s": [1.0], "answers": [{}]},
+        "sensenova_load_text_2": kind(text_wall, text_lat),
+        "sensenova_load_think_2": kind(think_wall, think_lat)}, "final_stats": snaps}}
+
+
+def test_rows_compare_the_two_sides_wall_times_and_latencies():
+    args = serve.argparse.Namespace(n=2, size=1024)
+    sides = {"release": _side(10.0, 40.0, [5.0, 10.0], [20.0, 40.0]),
+             "plugin": _side(2.0, 16.0, [2.0, 2.0], [15.0, 16.0],
+                             {"sensenova_u1.batch_forward": 3, "sensenova_u1.batch_requests": 5,
+                              "sensenova_u1.graph_replay": 9})}
+    rows = {r["case"]: r for r in serve.rows(sides, args)}
+    assert set(rows) == {"sensenova_serve_text_n2", "sensenova_serve_think_t2i_1024_n2"}
+    think = rows["sensenova_serve_think_t2i_1024_n2"]
+    assert (think["eager_ms"], think["ours_ms"], think["speedup"]) == (40000, 16000, 2.5)
+    assert (think["eager_p50_ms"], think["eager_p99_ms"]) == (40000, 40000)
+    assert (think["ours_p50_ms"], think["ours_p99_ms"]) == (16000, 16000)
+    assert think["plugin_counters_whole_run"] == {"sensenova_u1.batch_forward": 3,
+                                                  "sensenova_u1.batch_requests": 5}
+    assert rows["sensenova_serve_text_n2"]["speedup"] == 5.0
+    # One side alone: its column, no ratio.
+    only = {r["case"]: r for r in serve.rows({"release": sides["release"]}, args)}
+    assert only["sensenova_serve_text_n2"]["ours_ms"] is None
+    assert only["sensenova_serve_text_n2"]["speedup"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sides", "release,turbo"],
+     "--sides release,turbo: unknown ['turbo']; accepted: release, plugin"),
+    (["--tiny", "--size", "40"], "--size 40: the tiny model needs a multiple of 16"),
+])
+def test_bad_arguments_name_the_value_and_what_is_accepted(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--out", str(tmp_path)] + argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_run_without_sides_writes_the_checkpoint_and_an_empty_record(tmp_path):
+    """``--sides ''`` (the session's first step): the checkpoint only, written once."""
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    argv = ["--out", out, "--sides", "", "--tiny", "--device", "cpu", "--checkpoint", ckpt]
+    assert serve.main(argv) == 0
+    with open(os.path.join(out, "sensenova-serve.json")) as f:
+        record = json.load(f)
+    assert record["environment"]["checkpoint"]["written"] is True
+    assert record["cases"] == [] and record["sides"] == {}
+    assert os.path.exists(os.path.join(ckpt, "model.safetensors.index.json"))
+    assert serve.main(argv) == 0
+    with open(os.path.join(out, "sensenova-serve.json")) as f:
+        again = json.load(f)
+    assert again["environment"]["checkpoint"] == {"path": ckpt, "written": False}
+    assert len(again["environment"]["commands"]) == 2
