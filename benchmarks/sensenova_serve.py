@@ -16,7 +16,11 @@ the image's PNG round trip and when requests happen to arrive.
 - ``plugin``: ``VLLM_OMNI_GRAPHDECODE=1``, otherwise defaults, and ``--max-num-seqs N``: the
   plugin declares request batching and the requests the engine hands one ``forward`` decode as
   rows of its batched step; its counters (``VLLM_OMNI_GRAPHDECODE_STATS_FILE``) say how the
-  engine grouped them.
+  engine grouped them. The engine starts a forward as soon as one request waits, so requests
+  sent together but arriving a few milliseconds apart split into a forward of the first alone
+  and one of the rest, unless ``--batch-wait-ms`` passes vLLM-Omni's own
+  ``--request-batch-max-wait-ms`` (it holds the first request until the queue stops growing or
+  the wait ends).
 
 Each server first answers one warm-up request of each kind (untimed: first-call compiles and
 captures), then N text answers at once (``--text-prompt-chars``-byte prompts, ``--text-tokens``
@@ -65,11 +69,11 @@ def write_checkpoint(path: str, *, tiny: bool, device: str, seed: int = 0) -> di
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import make_tiny_checkpoints as tiny
+    import make_tiny_checkpoints as maker
 
     if os.path.exists(os.path.join(path, "config.json")):
         return {"path": path, "written": False}
-    cfg = None
+    cfg = None  # the tiny checkpoint's own
     if not tiny:
         import sensenova_request as sr
 
@@ -77,8 +81,8 @@ def write_checkpoint(path: str, *, tiny: bool, device: str, seed: int = 0) -> di
     started = time.perf_counter()
     partial = path + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # an earlier run cut short
-    info = tiny.write_sensenova_u1(partial, seed=seed, cfg=cfg, device=device,
-                                   shard_bytes=SHARD_BYTES, silent_tokens=SILENT)
+    info = maker.write_sensenova_u1(partial, seed=seed, cfg=cfg, device=device,
+                                    shard_bytes=SHARD_BYTES, silent_tokens=SILENT)
     os.replace(partial, path)  # only a complete checkpoint ever has this name
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -99,6 +103,8 @@ def run_side(side: str, args, checkpoint: str) -> dict:
         env["VLLM_OMNI_GRAPHDECODE"] = "1"
         env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
         serve_args += ["--max-num-seqs", str(args.n)]
+        if args.batch_wait_ms:
+            serve_args += ["--request-batch-max-wait-ms", str(args.batch_wait_ms)]
     else:
         env["VLLM_OMNI_GRAPHDECODE"] = "0"
     cmd = [sys.executable, DRIVER, "--scenario", "sensenova_load", "--model", checkpoint,
@@ -171,6 +177,7 @@ def rows(sides: dict, args) -> list[dict]:
                 lat = percentiles([1000 * s for s in entry["latency_s"]])
                 row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
                 row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
+        row["plugin_serve_args"] = (sides.get("plugin") or {}).get("serve_args")
         row["plugin_counters_whole_run"] = {k: v for k, v in counters(sides.get("plugin")).items()
                                   if k.rsplit(".", 1)[-1] in BATCH_COUNTERS}
         row["plugin_fallbacks_whole_run"] = counters(sides.get("plugin"), "fallbacks")
@@ -194,6 +201,12 @@ def main(argv=None) -> int:
                          "default: OUT/../sensenova-u1-serve-checkpoint)")
     ap.add_argument("--tiny", action="store_true", help="the tiny checkpoint's shape")
     ap.add_argument("--device", default="cuda", help="where the checkpoint's weights are drawn")
+    ap.add_argument("--batch-wait-ms", type=float, default=0.0,
+                    help="the plugin's server: --request-batch-max-wait-ms (vLLM-Omni's own "
+                         "admission wait for compatible requests before a forward; 0: not set)")
+    ap.add_argument("--release-from", default=None,
+                    help="a sensenova-serve.json whose release side stands for this run's "
+                         "(recorded as release_from) instead of running it here")
     ap.add_argument("--init-timeout", type=int, default=600)
     ap.add_argument("--request-timeout", type=int, default=900)
     args = ap.parse_args(argv)
@@ -229,6 +242,14 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(record, f, indent=2, default=str)
 
+    if args.release_from:
+        if "release" in sides:
+            ap.error("--release-from and --sides release together: one release side")
+        with open(args.release_from) as f:
+            earlier = json.load(f)
+        record["sides"]["release"] = earlier["sides"]["release"]
+        env["release_from"] = {"file": args.release_from,
+                               "commands": earlier["environment"].get("commands")}
     write()
     for side in sides:
         record["sides"][side] = run_side(side, args, checkpoint)

@@ -200,3 +200,21 @@ def test_a_run_without_sides_writes_the_checkpoint_and_an_empty_record(tmp_path)
         again = json.load(f)
     assert again["environment"]["checkpoint"] == {"path": ckpt, "written": False}
     assert len(again["environment"]["commands"]) == 2
+
+
+def test_release_side_from_an_earlier_file_is_recorded_as_such(tmp_path):
+    """``--release-from FILE --sides ''``: the rows take FILE's release side, and say so."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"environment": {"commands": ["python3 x --sides release"]},
+                                   "sides": {"release": _side(10.0, 40.0, [5.0, 10.0],
+                                                              [20.0, 40.0])}, "cases": []}))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--sides", "", "--tiny", "--device", "cpu", "--n", "2",
+            "--checkpoint", str(tmp_path / "ckpt"), "--release-from", str(earlier)]
+    assert serve.main(argv) == 0
+    record = json.loads((out / "sensenova-serve.json").read_text())
+    assert record["environment"]["release_from"]["file"] == str(earlier)
+    rows = {r["case"]: r for r in record["cases"]}
+    assert rows["sensenova_serve_think_t2i_1024_n2"]["eager_ms"] == 40000
+    with pytest.raises(SystemExit):
+        serve.main(argv[:3] + ["release"] + argv[4:])

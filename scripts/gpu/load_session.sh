@@ -13,6 +13,9 @@
 #   scripts/gpu/load_session.sh h1   # the release's server: 8 text answers and 8 think images
 #                                    # sent at once, served one at a time
 #   scripts/gpu/load_session.sh h2   # the plugin's server, --max-num-seqs 8, the same requests
+#   scripts/gpu/load_session.sh h3   # (a later machine, after u and h0) the plugin's server again
+#                                    # with vLLM-Omni's --request-batch-max-wait-ms 100, against
+#                                    # h1's release side from h200-2026-12-02d
 #   scripts/gpu/load_session.sh t    # 0.30 + torch 2.13: the batched step at 1 / 8 / 16 rows,
 #                                    # timed, then profiled (language model alone)
 #   scripts/gpu/load_session.sh s2   # 0.26: the serving file
@@ -22,14 +25,16 @@
 # About 1,600 device seconds with the start. Build first (git-ignored): build_bundle.sh,
 # build_serving_bundle.sh all, python3 scripts/gpu/build_torch_bundle.py.
 set -uo pipefail
-what=${1:?usage: load_session.sh u|h0|h1|h2|t|s2|s1}
+what=${1:?usage: load_session.sh u|h0|h1|h2|h3|t|s2|s1}
 source "$(dirname "$0")/session_common.sh"
-serve_load() {  # serve_load LIMIT SIDES: benchmarks/sensenova_serve.py into $res/serve-load
+serve_load() {  # serve_load LIMIT SIDES [ARGS...]: benchmarks/sensenova_serve.py, $res/serve-load
+  local limit=$1 sides=$2; shift 2
   mkdir -p "$res/serve-load"
   cp -r /tmp/serve-load/. "$res/serve-load/" 2>/dev/null  # h2 adds to h1's record
-  on213 timeout "$1" python3 benchmarks/sensenova_serve.py --out "$res/serve-load" \
-    --checkpoint /tmp/sensenova-u1-serve-checkpoint --sides "$2" >>"$res/serve-load/log" 2>&1
-  stamp "serve-load-$2"
+  on213 timeout "$limit" python3 benchmarks/sensenova_serve.py --out "$res/serve-load" \
+    --checkpoint /tmp/sensenova-u1-serve-checkpoint --sides "$sides" "$@" \
+    >>"$res/serve-load/log" 2>&1
+  stamp "serve-load-$sides"
   reap
   rm -rf /tmp/serve-load && cp -r "$res/serve-load" /tmp/serve-load
 }
@@ -53,6 +58,11 @@ case "$what" in
     ;;
   h2)
     serve_load 560 plugin
+    ;;
+  h3)
+    rm -rf /tmp/serve-load
+    serve_load 400 plugin --batch-wait-ms 100 \
+      --release-from benchmarks/results/h200-2026-12-02d/serve-load-0.30/sensenova-serve.json
     ;;
   t)
     mkdir -p "$res/step-0.30-torch2.13"
