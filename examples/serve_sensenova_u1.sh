@@ -11,4 +11,11 @@ export VLLM_OMNI_GRAPHDECODE=sensenova_u1
 export VLLM_OMNI_GRAPHDECODE_PRECAPTURE=1
 # With an allow-list set, name vllm-omni's own plugin and this one:
 # export VLLM_PLUGINS=vllm_omni_register_models,vllm_omni_graphdecode
-exec vllm serve "$model" --omni --port "${PORT:-8000}"
+# MAX_NUM_SEQS=8 serves up to 8 requests together (vllm-omni 0.28/0.30): their decode runs as rows
+# of one batched step; vLLM-Omni's admission wait lets requests sent together arrive before the
+# engine starts a forward on the first one.
+batch=()
+if [ "${MAX_NUM_SEQS:-1}" -gt 1 ]; then
+  batch=(--max-num-seqs "$MAX_NUM_SEQS" --request-batch-max-wait-ms 100)
+fi
+exec vllm serve "$model" --omni --port "${PORT:-8000}" ${batch[@]+"${batch[@]}"}
