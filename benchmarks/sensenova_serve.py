@@ -64,8 +64,8 @@ def log(msg):
 
 
 def write_checkpoint(path: str, *, tiny: bool, device: str, seed: int = 0) -> dict:
-    """The serving checkpoint (module docstring); kept when ``path`` already holds a complete one
-    (its ``config.json`` written last)."""
+    """The serving checkpoint (module docstring), written into ``PATH.partial`` and renamed to
+    ``path`` when complete; kept when ``path`` already exists."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -159,7 +159,8 @@ def _kind(side: dict | None, kind: str) -> dict | None:
 
 
 def rows(sides: dict, args) -> list[dict]:
-    """The cases both sides have: wall times, throughput, latency percentiles."""
+    """A row for each kind either side answered (an errored kind has no wall time): wall times,
+    their ratio where both sides have one, latency percentiles, the plugin's batch counters."""
     import common
 
     names = {f"sensenova_load_text_{args.n}": f"sensenova_serve_text_n{args.n}",
@@ -178,8 +179,9 @@ def rows(sides: dict, args) -> list[dict]:
                 row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
                 row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
         row["plugin_serve_args"] = (sides.get("plugin") or {}).get("serve_args")
-        row["plugin_counters_whole_run"] = {k: v for k, v in counters(sides.get("plugin")).items()
-                                  if k.rsplit(".", 1)[-1] in BATCH_COUNTERS}
+        plugin_counters = counters(sides.get("plugin"))
+        row["plugin_counters_whole_run"] = {k: v for k, v in plugin_counters.items()
+                                            if k.rsplit(".", 1)[-1] in BATCH_COUNTERS}
         row["plugin_fallbacks_whole_run"] = counters(sides.get("plugin"), "fallbacks")
         out.append(row)
     return out
