@@ -218,3 +218,20 @@ def test_release_side_from_an_earlier_file_is_recorded_as_such(tmp_path):
     assert rows["sensenova_serve_think_t2i_1024_n2"]["eager_ms"] == 40000
     with pytest.raises(SystemExit):
         serve.main(argv[:3] + ["release"] + argv[4:])
+
+
+def test_without_tiny_the_checkpoint_takes_the_released_config(tmp_path, monkeypatch):
+    """Not ``--tiny``: the checkpoint is written from ``sensenova_request.real_config()`` (here
+    stood in by a 3-layer config, which the CPU can draw; the released shape is ~35 GB)."""
+    import sensenova_request as sr
+
+    small = tiny.sensenova_config(384, num_layers=3)
+    monkeypatch.setattr(sr, "real_config", lambda: small)
+    info = serve.write_checkpoint(str(tmp_path / "ckpt"), tiny=False, device="cpu")
+    assert info["written"] is True
+    with open(tmp_path / "ckpt" / "config.json") as f:
+        assert json.load(f)["llm_config"]["num_hidden_layers"] == 3
+    tiny_info = serve.write_checkpoint(str(tmp_path / "tiny"), tiny=True, device="cpu")
+    with open(tmp_path / "tiny" / "config.json") as f:
+        assert json.load(f)["llm_config"]["num_hidden_layers"] == 2
+    assert info["num_tensors"] > tiny_info["num_tensors"]
