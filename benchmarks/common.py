@@ -133,6 +133,15 @@ def matmul_flops_per_s(n: int = 8192) -> float:
     return 2 * n**3 / (ms / 1e3)
 
 
+def percentiles(values: list[float]) -> dict:
+    """p50 (the upper middle of an even count) and p99 of ``values``, as the request benchmarks
+    report them; {} for none."""
+    v = sorted(values)
+    if not v:
+        return {}
+    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]}
+
+
 def case(name: str, eager_ms: float | None, ours_ms: float | None, floor_ms: float | None,
          **extra) -> dict:
     row = {"case": name, "eager_ms": _r(eager_ms), "ours_ms": _r(ours_ms), "floor_ms": _r(floor_ms),

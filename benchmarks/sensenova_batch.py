@@ -185,13 +185,6 @@ def serve_together(pipe, clock: Clock, requests) -> dict:
             "answers": [answer(o) for o in outs]}
 
 
-def percentiles(values: list[float]) -> dict:
-    v = sorted(values)
-    if not v:
-        return {}
-    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]}
-
-
 # -- the decode step ------------------------------------------------------------------------------
 
 def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> None:
@@ -325,10 +318,10 @@ def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, r
             else f"sensenova_batch_think_t2i_{args.size}_n{n}") + (
         "_fp8" if args.fp8 != "off" else "")
     eager = release["ms"] if release else eager_ms
-    extra = dict(requests=n, rows=rows, ours_latency_ms=percentiles(ours["latency_ms"]),
+    extra = dict(requests=n, rows=rows, ours_latency_ms=common.percentiles(ours["latency_ms"]),
                  ours_answers=[_public(a) for a in ours["answers"]])
     if release:
-        extra.update(eager_latency_ms=percentiles(release["latency_ms"]),
+        extra.update(eager_latency_ms=common.percentiles(release["latency_ms"]),
                      eager_request_ms=release["request_ms"],
                      agreement_with_release=[agreement(o, r) for o, r in
                                              zip(ours["answers"], release["answers"])])

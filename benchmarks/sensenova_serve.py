@@ -66,23 +66,17 @@ def log(msg):
 def write_checkpoint(path: str, *, tiny: bool, device: str, seed: int = 0) -> dict:
     """The serving checkpoint (module docstring), written into ``PATH.partial`` and renamed to
     ``path`` when complete; kept when ``path`` already exists."""
+    import sensenova_request as sr  # and through it examples/make_tiny_checkpoints.py
     import torch
-
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import make_tiny_checkpoints as maker
 
     if os.path.exists(os.path.join(path, "config.json")):
         return {"path": path, "written": False}
-    cfg = None  # the tiny checkpoint's own
-    if not tiny:
-        import sensenova_request as sr
-
-        cfg = sr.real_config()
+    cfg = None if tiny else sr.real_config()  # None: the tiny checkpoint's own
     started = time.perf_counter()
     partial = path + ".partial"
     shutil.rmtree(partial, ignore_errors=True)  # an earlier run cut short
-    info = maker.write_sensenova_u1(partial, seed=seed, cfg=cfg, device=device,
-                                    shard_bytes=SHARD_BYTES, silent_tokens=SILENT)
+    info = sr.tiny.write_sensenova_u1(partial, seed=seed, cfg=cfg, device=device,
+                                      shard_bytes=SHARD_BYTES, silent_tokens=SILENT)
     os.replace(partial, path)  # only a complete checkpoint ever has this name
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -130,13 +124,6 @@ def run_side(side: str, args, checkpoint: str) -> dict:
             "serve_args": serve_args, "result": result}
 
 
-def percentiles(values: list[float]) -> dict:
-    v = sorted(values)
-    if not v:
-        return {}
-    return {"p50": v[len(v) // 2], "p99": v[min(len(v) - 1, int(round(0.99 * (len(v) - 1))))]}
-
-
 BATCH_COUNTERS = ("batch_forward", "batch_requests", "batch_launch", "batch_rows",
                   "batch_row_join", "batch_eager_launch")
 
@@ -175,7 +162,7 @@ def rows(sides: dict, args) -> list[dict]:
                           plugin and 1000 * plugin["wall_s"], None, requests=args.n)
         for name, entry in (("eager", release), ("ours", plugin)):
             if entry is not None:
-                lat = percentiles([1000 * s for s in entry["latency_s"]])
+                lat = common.percentiles([1000 * s for s in entry["latency_s"]])
                 row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
                 row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
         row["plugin_serve_args"] = (sides.get("plugin") or {}).get("serve_args")

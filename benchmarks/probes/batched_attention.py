@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
-from vllm_omni_graphdecode import batch_kv, kernels  # noqa: E402
+from vllm_omni_graphdecode import batch_kv  # noqa: E402
 
 BLOCK = batch_kv.BLOCK_SIZE
 
@@ -55,15 +55,15 @@ def _ints(value: str) -> list[int]:
     return out
 
 
+def _reference(q, k, v, table, seqused, max_len, scale):
+    """``batch_kv.REFERENCE``: the batched step's attention contract in plain torch, fp32."""
+    return batch_kv.REFERENCE(q, k, v, table=table, seqused=seqused, scale=scale, scratch=None)
+
+
 def candidates(device: torch.device, splits: list[int], fa3_splits: list[int]) -> dict:
     """name -> fn(q, k_cache, v_cache, table, seqused, max_len, scale) -> out, for what this
     machine has; the fp32 reference always."""
-    def reference(q, k, v, table, seqused, max_len, scale):
-        return kernels.reference_paged_attention(
-            q, k, v, max_seqlen_q=1, cu_seqlens_q=None, max_seqlen_k=table.shape[1] * BLOCK,
-            seqused_k=seqused, block_table=table, softmax_scale=scale)
-
-    out = {"reference": reference}
+    out = {"reference": _reference}
     if device.type != "cuda":
         return out
     for name in batch_kv._KERNEL_MODULES:
@@ -118,11 +118,10 @@ def measure(fn, rows, context, heads, device, calls: int, bandwidth: float | Non
     q, k, v, table, seqused = make_inputs(rows, context, heads, device, seed=rows * 7 + context)
     scale = heads[2] ** -0.5
     max_len = table.shape[1] * BLOCK
-    ref = candidates(torch.device("cpu"), [], [])["reference"]
     row = {}
     try:
         got = fn(q, k, v, table, seqused, max_len, scale)
-        want = ref(q.float(), k.float(), v.float(), table, seqused, max_len, scale)
+        want = _reference(q.float(), k.float(), v.float(), table, seqused, max_len, scale)
         row["max_abs_err"] = float((got.float() - want).abs().max())
         # Row 0 with its neighbours at other lengths (the same shapes).
         gen = torch.Generator(device="cpu").manual_seed(context)
