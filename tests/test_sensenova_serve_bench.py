@@ -9,7 +9,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -113,28 +112,31 @@ def test_load_prompts_are_distinct_and_of_the_asked_length():
     assert len(driver.load_prompt(0, 7)) == 7
 
 
-def _answers(kind: str, n: int, spacing: float):
-    """``n`` callables shaped like the driver's request functions (their return value's keys),
-    the i-th taking ``spacing * (i + 1)`` seconds."""
+def _answers(kind: str, n: int):
+    """``n`` callables shaped like the driver's request functions (their return value's keys,
+    the i-th reporting ``i + 1`` seconds), each returning only once all ``n`` are running: they
+    finish only if they were sent at once (a barrier, not a clock)."""
+    import threading
+
     import numpy as np
 
+    together = threading.Barrier(n, timeout=60)
+
     def one(i):
-        time.sleep(spacing * (i + 1))
+        together.wait()  # BrokenBarrierError unless all n run at the same time
         if kind == "text":
-            return {"text": f"answer {i} " * 40, "s": round(spacing * (i + 1), 3)}
-        return {"think_text": "t" * (300 + i), "s": round(spacing * (i + 1), 3),
+            return {"text": f"answer {i} " * 40, "s": float(i + 1)}
+        return {"think_text": "t" * (300 + i), "s": float(i + 1),
                 "image": np.full((16, 16, 3), i, dtype=np.uint8)}
     return [(lambda i=i: one(i)) for i in range(n)]
 
 
-def test_loaded_records_each_latency_the_wall_time_and_no_pixels():
-    text = driver._loaded(_answers("text", 4, 0.02))
-    assert len(text["answers"]) == 4 and text["latency_s"] == [0.02, 0.04, 0.06, 0.08]
-    # All at once: the wall time is the slowest request's, not their sum.
-    assert 0.08 <= text["wall_s"] < 0.2
+def test_loaded_sends_all_at_once_and_records_each_latency_the_wall_time_and_no_pixels():
+    text = driver._loaded(_answers("text", 4))
+    assert len(text["answers"]) == 4 and text["latency_s"] == [1.0, 2.0, 3.0, 4.0]
     assert text["answers"][0]["text_chars"] == len("answer 0 " * 40)
     assert len(text["answers"][0]["text"]) == 200
-    think = driver._loaded(_answers("think", 2, 0.01))
+    think = driver._loaded(_answers("think", 2))
     first = think["answers"][0]
     assert "image" not in first and first["image_shape"] == [16, 16, 3]
     assert first["think_chars"] == 300 and len(first["think_text"]) == 200
