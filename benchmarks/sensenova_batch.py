@@ -29,7 +29,9 @@ Cases (rows of ``sensenova-batch.json``):
   requests in turn (for N other than ``--n``: N times the median of the ``--n`` run's requests,
   marked ``eager_from``), ``ours_ms`` the batch's wall time, ``speedup`` their ratio (throughput),
   with p50/p99 request latencies on both sides (a request's latency: from the batch's start to
-  its own output, as a client sees it when all N arrive together).
+  its own output, as a client sees it when all N arrive together). The plugin side denoises
+  with the exact branch-step graphs unless ``--denoise fast`` (rows end in ``_fast``) or an FP8
+  option that covers the denoising (rows end in ``_fp8``) selects the fast body.
 
 Each row also says whether every request's answer in the batch equals the same request's answer
 alone through the plugin (``request0_same_in_every_batch``: request 0 of every N), and how far
@@ -315,8 +317,7 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
 def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, rows: int,
                  eager_from: str | None = None, eager_ms=None) -> dict:
     name = (f"sensenova_batch_text_n{n}" if kind == "text"
-            else f"sensenova_batch_think_t2i_{args.size}_n{n}") + (
-        "_fp8" if args.fp8 != "off" else "")
+            else f"sensenova_batch_think_t2i_{args.size}_n{n}") + _suffix(args)
     eager = release["ms"] if release else eager_ms
     extra = dict(requests=n, rows=rows, ours_latency_ms=common.percentiles(ours["latency_ms"]),
                  ours_answers=[_public(a) for a in ours["answers"]])
@@ -330,10 +331,20 @@ def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, r
     return common.case(name, eager, ours["ms"], None, **extra)
 
 
-def _denoise_mode(fp8: str) -> str:
-    """The plugin side's denoising mode: the fast body when its FP8 GEMMs are asked for (they
-    exist only there), else the exact graph mode."""
+def _denoise_mode(fp8: str, asked: str | None = None) -> str:
+    """The plugin side's denoising mode: ``asked`` (``--denoise``) when given, else the fast body
+    when its FP8 GEMMs are asked for (they exist only there), else the exact graph mode."""
+    if asked:
+        return asked
     return "fast" if fp8 in ("on", "1", "all") or "sensenova_denoise" in fp8 else "graph"
+
+
+def _suffix(args) -> str:
+    """What a request row's name adds for a plugin side other than the defaults: ``_fp8`` (FP8
+    copies), ``_fast`` (bf16 with the fast denoising body, which rounds differently)."""
+    if args.fp8 != "off":
+        return "_fp8"
+    return "_fast" if getattr(args, "denoise", None) == "fast" else ""
 
 
 def _row_counts(value: str) -> list[int]:
@@ -370,6 +381,10 @@ def main(argv=None) -> int:
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_FP8 (alone: sensenova_decode, "
                          "the decode on FP8 weight copies; on or naming sensenova_denoise: the "
                          "fast denoising with W8A8 GEMMs too): case names end in _fp8")
+    ap.add_argument("--denoise", choices=("graph", "fast"), default=None,
+                    help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (default: "
+                         "fast when --fp8 asks for its W8A8 GEMMs, else graph, the exact "
+                         "denoising); fast with --fp8 off: request rows end in _fast")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -458,7 +473,7 @@ def main(argv=None) -> int:
     # The plugin, for a server started with --max-num-seqs ROWS.
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
-                            "off" if args.lm_only else _denoise_mode(args.fp8),
+                            "off" if args.lm_only else _denoise_mode(args.fp8, args.denoise),
                         "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(

@@ -70,11 +70,15 @@ def test_fp8_option_names_rows_and_asks_the_fast_denoising_only_for_its_fp8_gemm
     assert sb._denoise_mode("sensenova_decode") == "graph"
     assert sb._denoise_mode("on") == "fast"
     assert sb._denoise_mode("sensenova_decode,sensenova_denoise") == "fast"
+    assert sb._denoise_mode("off", "fast") == "fast"  # --denoise fast: bf16 with the fast body
+    assert sb._denoise_mode("on", "graph") == "graph"  # --denoise wins over what FP8 implies
     ours = {"ms": 2.0, "latency_ms": [1.0, 2.0], "answers": []}
-    for fp8, name in (("off", "sensenova_batch_think_t2i_64_n2"),
-                      ("on", "sensenova_batch_think_t2i_64_n2_fp8")):
-        row = sb.request_rows("think", 2, None, ours, SimpleNamespace(size=64, fp8=fp8), rows=2,
-                              eager_ms=4.0)
+    for fp8, denoise, name in (("off", None, "sensenova_batch_think_t2i_64_n2"),
+                               ("off", "graph", "sensenova_batch_think_t2i_64_n2"),
+                               ("off", "fast", "sensenova_batch_think_t2i_64_n2_fast"),
+                               ("on", None, "sensenova_batch_think_t2i_64_n2_fp8")):
+        args = SimpleNamespace(size=64, fp8=fp8, denoise=denoise)
+        row = sb.request_rows("think", 2, None, ours, args, rows=2, eager_ms=4.0)
         assert row["case"] == name and row["speedup"] == pytest.approx(2.0)
 
 
