@@ -146,6 +146,30 @@ def test_tail_written_in_place_and_prefix_untouched_across_steps():
         assert k is vk and v is vv  # the same view objects: a cache pointed at them stays valid
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_batch_1_writes_the_tail_inside_the_region_and_larger_batches_copy_it(batch):
+    # At batch 1 the tail is one run of memory: the pre-attention region stores k and v there
+    # itself (no copy kernel after it); a strided tail (batch 2) takes the region's k and v by copy.
+    model, _, cache, seen = setup(torch.float32, batch, 6, ((2, 4),))
+    bufs = qf.kv_buffers(prefix_of(cache, 2), seen[0]["hidden"].shape[1])
+    fast = fs.FastBlocks(model, kernels.SdpaAttention())
+    calls = {"pre": 0, "into": 0}
+    pre, into = fast._pre, fast._pre_into
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    fast._pre, fast._pre_into = counted("pre", pre), counted("into", into)
+    with torch.no_grad():
+        got = fast(seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
+    blocks = len(model.transformer_blocks)
+    assert calls == ({"pre": 0, "into": blocks} if batch == 1 else {"pre": blocks, "into": 0})
+    assert torch.equal(got, seen[-1]["out"])
+
+
 def test_cache_repointed_at_the_prefix_views_gives_diffusers_the_same_step():
     model, kwargs, cache, _ = setup(torch.float32, 2, 6, ((2, 4),))
     with torch.no_grad():

@@ -12,9 +12,13 @@ Why this exists
     3. ``FastBlocks(compile=True)``: Inductor fuses the elementwise work in two regions shared by
        all 32 blocks (weights are arguments, so nothing per module is guarded): *pre-attention*
        (norm1 + modulate, q/k/v, q/k RMSNorm, rotary) and *post-attention* (to_out, gated residual,
-       norm2 + modulate, SwiGLU, gated residual). The tail write and the attention run between
-       them, uncompiled: no prefix length reaches a compiled region, so prompts of any length reuse
-       the code compiled for a (batch, target shape).
+       norm2 + modulate, SwiGLU, gated residual). The attention runs between them, uncompiled.
+       At batch 1 (the tail is one run of memory) the pre-attention region stores k and v
+       straight into the tail, handed over with a fresh tensor's strides (``_pre_into``): the
+       rotary's output is written once, where a separate copy read it back and wrote it again;
+       at batch 2 and more (a strided tail) the region returns them and a copy writes the tail.
+       No prefix length reaches a compiled region (the tail's offset is no guard), so prompts
+       of any length reuse the code compiled for a (batch, target shape).
 
 Numbers: what each of the three changes saves at the real shape, and the fast step's distance
 from diffusers' cached forward, are in ``docs/performance.md`` (the qwen probe,
@@ -135,6 +139,15 @@ def _pre_attention(x, modulation, rotary, qkv, norm_q, norm_k, ln_eps: float, q_
     return _rope(q, rotary, real_rope), _rope(k, rotary, real_rope), v
 
 
+def _pre_into(x, modulation, rotary, k_out, v_out, *rest):
+    """``_pre_attention`` writing k and v into ``k_out`` / ``v_out`` (the step's tail, batch 1);
+    returns q."""
+    q, k, v = _pre_attention(x, modulation, rotary, *rest)
+    k_out.copy_(k)
+    v_out.copy_(v)
+    return q
+
+
 def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: float):
     """to_out, gated residual, norm2 + modulate, SwiGLU, gated residual. attn ``(B, T, H, D)``."""
     dim = x.shape[-1]
@@ -147,7 +160,7 @@ def _post_attention(x, attn, modulation, w_out, w_gate, w_up, w_down, ln_eps: fl
     return x
 
 
-REGIONS = Regions(_pre_attention, _post_attention)
+REGIONS = Regions(_pre_attention, _post_attention, _pre_into)
 
 
 def compiled_graphs() -> int:
@@ -226,8 +239,9 @@ class FastBlocks:
         for i in range(len(blocks) if fp8 else 0):
             self._weights(i)
         self.fp8 = fp8
-        self._pre, self._post = REGIONS.select(blocks[0].attn.to_q.weight.device, compile=compile,
-                                               emulate_precision_casts=emulate_casts)
+        self._pre, self._post, self._pre_into = REGIONS.select(
+            blocks[0].attn.to_q.weight.device, compile=compile,
+            emulate_precision_casts=emulate_casts)
 
     def _weights(self, i: int):
         """Block ``i``'s region arguments, with the e4m3 copies in place of the weights (fp8)."""
@@ -266,9 +280,13 @@ class FastBlocks:
         rotary = torch.view_as_real(rotary) if rotary.is_complex() else rotary
         hidden = _dense_strides(hidden)
         pre, post = self._weights(i)
-        q, k, v = self._pre(hidden, modulation, rotary, *pre)
         k_tail, v_tail = buffers.tails[i]
-        k_tail.copy_(k)
-        v_tail.copy_(v)
+        if k_tail.is_contiguous() and v_tail.is_contiguous():  # batch 1
+            q = self._pre_into(hidden, modulation, rotary, _dense_strides(k_tail),
+                               _dense_strides(v_tail), *pre)
+        else:
+            q, k, v = self._pre(hidden, modulation, rotary, *pre)
+            k_tail.copy_(k)
+            v_tail.copy_(v)
         out = self.attention(q, buffers.k[i], buffers.v[i])
         return self._post(hidden, out, modulation, *post)
