@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The device session after the HTTP load run (prepared without device time): the two levers the
+# open issues left. One machine, calls back to back (a machine goes back after 30 s idle);
+# carried folders stay:
+#
+#   scripts/gpu/levers_session.sh u   # once per folder, in order: .gpu-bundle, .gpu-bundle-2,
+#                                     # .gpu-bundle-3 + -serve, -serve-030 + -torch-5,
+#                                     # -torch-1 ... -4; after the last, FA2 compiles in the
+#                                     # background
+#   scripts/gpu/levers_session.sh b   # 0.30 + torch 2.13: eight think text-to-image requests,
+#                                     # the release one at a time against the plugin's batch in
+#                                     # bf16 with the fast denoising body (issue #22's think row)
+#   scripts/gpu/levers_session.sh a   # 0.30 + torch 2.13: the batched step's attention
+#                                     # candidates (probe); 0.26: the Qwen-Image-2.1 GPU files
+#                                     # (the tail written inside the compiled region), then a
+#                                     # whole image, bf16 fast and W8A8 (issue #23's Qwen row)
+#   scripts/gpu/levers_session.sh s   # 0.26: the engine file, then the serving file, as long
+#                                     # as the limits allow
+#
+# About 1,300 device seconds with the start. Build first (git-ignored): build_bundle.sh,
+# build_serving_bundle.sh all, python3 scripts/gpu/build_torch_bundle.py.
+set -uo pipefail
+what=${1:?usage: levers_session.sh u|b|a|s}
+source "$(dirname "$0")/session_common.sh"
+case "$what" in
+  u)
+    unpack
+    warm_fa2_213
+    ;;
+  b)
+    mkdir -p "$res/batch-fast-0.30"
+    on213 timeout 540 python3 benchmarks/sensenova_batch.py --out "$res/batch-fast-0.30" \
+      --cases think --n 8 --think-ns "" --denoise fast --budget-s 480 \
+      >"$res/batch-fast-0.30/log" 2>&1
+    stamp batch-fast-0.30
+    cp /tmp/warm-fa2.log "$res/" 2>/dev/null
+    ;;
+  a)
+    mkdir -p "$res/attention-probe-0.30"
+    on213 timeout 120 python3 benchmarks/probes/batched_attention.py \
+      --out "$res/attention-probe-0.30" >"$res/attention-probe-0.30/log" 2>&1
+    stamp attention-probe-0.30
+    suite 200 qwen-gpu-0.26 "tests/test_qwen_image_21_fast_step.py tests/test_qwen_image_21_gpu.py" \
+      -q -rfE
+    mkdir -p "$res/qwen-image-0.26"
+    PYTHONPATH=$py26 timeout 200 python3 benchmarks/qwen_image.py --out "$res/qwen-image-0.26" \
+      --modes fast,fast_fp8 --cfg 1 >"$res/qwen-image-0.26/stdout.json" \
+      2>"$res/qwen-image-0.26/log"
+    stamp qwen-image-0.26
+    ;;
+  s)
+    GRAPHDECODE_E2E_TIMEOUT=150 suite 220 suite-engine-0.26 tests/test_e2e_engine_gpu.py -q -rfE
+    suite 330 suite-serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
+    ;;
+esac
+finish
