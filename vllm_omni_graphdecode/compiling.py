@@ -32,6 +32,15 @@ COMPILE_FAILED = Reason("torch.compile of the fast step body failed",
                         "report the logged error; the exact step runs for this shape")
 
 
+# Inductor's options for every fast body. ``emulate_precision_casts``: a fused kernel rounds to
+# bf16 where eager materialises a bf16 tensor. ``deterministic``: each reduction's configuration
+# (block sizes, warps: its sum order) fixed by Inductor's heuristics, never picked by timing at the
+# first call, so every process rounds a request alike. Tuned by timing, two machines serving the
+# same eight think requests with the same think tokens gave other image bits
+# (benchmarks/results/h200-2026-12-02e; benchmarks/probes/compiled_repro.py).
+FAST_BODY_OPTIONS = {"emulate_precision_casts": True, "deterministic": True}
+
+
 class CompileFailed(RuntimeError):
     """torch.compile cannot run here, or could not compile (or recompile) a fast-body region.
     ``reason`` says which; the caller runs the exact step and counts it."""
@@ -79,8 +88,9 @@ def compile_supported(device) -> Reason | None:
             return NO_COMPILE.because(f"Dynamo does not support Python {sys.version.split()[0]}")
     except Exception as exc:
         return NO_COMPILE.because(repr(exc)[:300])
-    if not hasattr(inductor_config, "emulate_precision_casts"):
-        return NO_COMPILE.because(f"torch {torch.__version__} lacks emulate_precision_casts")
+    for option in FAST_BODY_OPTIONS:
+        if not hasattr(inductor_config, option):
+            return NO_COMPILE.because(f"torch {torch.__version__}'s Inductor lacks {option}")
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from ...compiling import (  # noqa: F401 - the names callers read from here
     COMPILE_FAILED,
+    FAST_BODY_OPTIONS,
     NO_COMPILE,
     NO_CXX,
     NO_TRITON,
@@ -241,7 +242,7 @@ class FastBlocks:
         self.fp8 = fp8
         self._pre, self._post, self._pre_into = REGIONS.select(
             blocks[0].attn.to_q.weight.device, compile=compile,
-            emulate_precision_casts=emulate_casts)
+            **{**FAST_BODY_OPTIONS, "emulate_precision_casts": emulate_casts})
 
     def _weights(self, i: int):
         """Block ``i``'s region arguments, with the e4m3 copies in place of the weights (fp8)."""

@@ -53,6 +53,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from ... import compiling
 from ...compiling import COMPILE_FAILED, CompileFailed, Regions, dense_strides
 from ...fp8 import W8A8Copies, linear
 from ...reasons import STRUCTURE, Reason
@@ -229,7 +230,7 @@ class FastGen:
             for i in range(len(layers)):
                 self._weights(i)
         self._pre, self._post = REGIONS.select(layers[0].self_attn.qkv_proj_mot_gen.weight.device,
-                                               compile=compile, emulate_precision_casts=True)
+                                               compile=compile, **compiling.FAST_BODY_OPTIONS)
 
     def prepare(self, batch: int, image: int, total: int, device) -> None:
         """What the attention needs for these shapes (at bind, outside any capture)."""
