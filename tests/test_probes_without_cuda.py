@@ -48,3 +48,25 @@ def test_batched_attention_probe_on_cpu_checks_the_reference_and_names_bad_argum
         proc = subprocess.run([sys.executable, script, "--out", str(tmp_path)] + bad,
                               capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1000:]
+
+
+def test_compiled_repro_probe_on_cpu_hashes_both_modes_alike_in_two_processes(tmp_path):
+    """``compiled_repro.py`` on CPU (Inductor's C++ backend, which tunes nothing by timing): the
+    two modes compile the fast denoising layer's regions with and without Inductor's
+    deterministic mode, and two processes' hashes of each mode agree; no timing without CUDA."""
+    script = os.path.join(ROOT, "benchmarks", "probes", "compiled_repro.py")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
+    docs = []
+    for tag in ("A", "B"):
+        proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--tag", tag,
+                               "--tokens", "16"], capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        docs.append(json.loads((tmp_path / f"compiled-repro-{tag}.json").read_text()))
+    a, b = ([(m["mode"], m["options"]["deterministic"], m["pre_sha256"], m["post_sha256"])
+             for m in doc["modes"]] for doc in docs)
+    assert [(m[0], m[1]) for m in a] == [("tuned", False), ("deterministic", True)]
+    assert a == b
+    assert a[0][2] != a[0][3]  # the two regions' outputs hash apart (no constant digest)
+    assert docs[0]["environment"]["pid"] != docs[1]["environment"]["pid"]
+    assert not any(k.endswith("_us") for m in docs[0]["modes"] for k in m)

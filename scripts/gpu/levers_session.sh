@@ -16,11 +16,17 @@
 #                                     # whole image, bf16 fast and W8A8 (issue #23's Qwen row)
 #   scripts/gpu/levers_session.sh s   # 0.26: the engine file, then the serving file, as long
 #                                     # as the limits allow
+#   scripts/gpu/levers_session.sh r   # (a later machine, after u with .gpu-bundle, -2, -3 only)
+#                                     # 0.26: the fast denoising layer compiled in two
+#                                     # processes, reductions tuned by timing and in Inductor's
+#                                     # deterministic mode; Qwen-Image-2.1's W8A8 image and the
+#                                     # fast-mode GPU tests with the deterministic mode; each
+#                                     # result copied into $OUT as it ends
 #
 # About 1,300 device seconds with the start. Build first (git-ignored): build_bundle.sh,
 # build_serving_bundle.sh all, python3 scripts/gpu/build_torch_bundle.py.
 set -uo pipefail
-what=${1:?usage: levers_session.sh u|b|a|s}
+what=${1:?usage: levers_session.sh u|b|a|s|r}
 source "$(dirname "$0")/session_common.sh"
 case "$what" in
   u)
@@ -51,6 +57,23 @@ case "$what" in
   s)
     GRAPHDECODE_E2E_TIMEOUT=150 suite 220 suite-engine-0.26 tests/test_e2e_engine_gpu.py -q -rfE
     suite 330 suite-serve-0.26 tests/test_e2e_serve_gpu.py -q -rfE
+    ;;
+  r)
+    mkdir -p "$res/repro-0.26"
+    for tag in A B; do
+      PYTHONPATH=$py26 timeout 90 python3 benchmarks/probes/compiled_repro.py \
+        --out "$res/repro-0.26" --tag $tag >/dev/null 2>>"$res/repro-0.26/log"
+      stamp "repro-$tag"
+      cp "$res/repro-0.26/compiled-repro-$tag.json" "$OUT/" 2>/dev/null
+    done
+    mkdir -p "$res/qwen-image-det-0.26"
+    PYTHONPATH=$py26 timeout 110 python3 benchmarks/qwen_image.py \
+      --out "$res/qwen-image-det-0.26" --modes fast_fp8 --cfg 1 \
+      >"$res/qwen-image-det-0.26/stdout.json" 2>"$res/qwen-image-det-0.26/log"
+    stamp qwen-image-det-0.26
+    cp "$res/qwen-image-det-0.26/qwen-image.json" "$OUT/" 2>/dev/null
+    suite 100 fast-gpu-0.26 "tests/test_qwen_image_21_fast_step.py tests/test_qwen_image_21_gpu.py \
+tests/test_sensenova_denoise_gpu.py" -q -rfE -k fast
     ;;
 esac
 finish
