@@ -7,7 +7,9 @@ mode (each reduction's configuration fixed by its heuristics), run on fixed rand
 
 Run it twice, in two processes: ``DIR/compiled-repro-{tag}.json`` holds, per mode, the sha256 of
 the regions' outputs and their time (CUDA graph replay, median of ``--iters``). Two processes that
-round alike give equal hashes; the time says what the deterministic mode costs. Why: two machines
+round alike give equal hashes; the time says what the deterministic mode costs. Inductor keeps a
+tuned choice in its on-disk cache, so two processes on one machine share it: to see the tuning
+pick anew, give each its own ``TORCHINDUCTOR_CACHE_DIR`` or run on two machines. Why: two machines
 served the same eight think requests through the fast denoising with the same think tokens and
 different image bits (``benchmarks/results/h200-2026-12-02e``). Not a benchmark of the plugin.
 """
