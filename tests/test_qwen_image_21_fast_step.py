@@ -295,20 +295,14 @@ def test_compiled_body_on_cpu_close_and_no_recompile_across_prefix_lengths(dtype
 
 
 @pytest.mark.parametrize("emulate_casts", [True, False])
-def test_compiled_body_fixes_its_reductions_by_heuristics_not_by_timing(monkeypatch, emulate_casts):
+def test_compiled_body_fixes_its_reductions_by_heuristics_not_by_timing(emulate_casts):
     # Inductor's deterministic mode: a reduction's sum order never picked by timing at first
     # use, so every process rounds a request alike (compiling.FAST_BODY_OPTIONS).
-    seen = []
-    select = fs.REGIONS.select
-
-    def recorded(device, *, compile, **options):
-        seen.append((compile, options))
-        return select(device, compile=compile, **options)
-
-    monkeypatch.setattr(fs.REGIONS, "select", recorded)
-    fs.FastBlocks(tiny_transformer(), kernels.SdpaAttention(), compile=True,
-                  emulate_casts=emulate_casts)
-    assert seen == [(True, {"emulate_precision_casts": emulate_casts, "deterministic": True})]
+    fast = fs.FastBlocks(tiny_transformer(), kernels.SdpaAttention(), compile=True,
+                         emulate_casts=emulate_casts)
+    assert fast.options == {"emulate_precision_casts": emulate_casts, "deterministic": True}
+    assert fast._pre_into.args[0] is fs.REGIONS.select("cpu", compile=True,
+                                                       **fast.options)[2].args[0]
 
 
 def test_compile_error_becomes_compile_failed(monkeypatch):

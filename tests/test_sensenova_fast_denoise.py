@@ -195,19 +195,11 @@ def test_fp8_outside_the_fast_mode_runs_the_pipelines_bits_with_the_reason(check
     assert stats.degraded_paths(MODEL) == {f"{MODEL}: {denoise.FP8_NEEDS_FAST.key}": 1}
 
 
-def test_the_compiled_body_fixes_its_reductions_by_heuristics_not_by_timing(checkpoint,  # noqa: F811
-                                                                         monkeypatch):
+def test_the_compiled_body_fixes_its_reductions_by_heuristics_not_by_timing(checkpoint):  # noqa: F811
     """Inductor's deterministic mode: a reduction's sum order never picked by timing at first
     use, so every process rounds a request alike (``compiling.FAST_BODY_OPTIONS``)."""
-    seen = []
-    select = fast_denoise.REGIONS.select
-
-    def recorded(device, *, compile, **options):
-        seen.append((compile, options))
-        return select(device, compile=compile, **options)
-
-    monkeypatch.setattr(fast_denoise.REGIONS, "select", recorded)
     pipe, _ = _pipeline(checkpoint)
-    getattr(pipe, wiring.IMAGE_ATTR)._build_fast(DTYPE)
-    assert seen and all(c and o == {"emulate_precision_casts": True, "deterministic": True}
-                        for c, o in seen)
+    fast = getattr(pipe, wiring.IMAGE_ATTR)._build_fast(DTYPE)
+    assert fast.options == {"emulate_precision_casts": True, "deterministic": True}
+    assert fast.compile and fast._pre.args[0] is fast_denoise.REGIONS.select(
+        "cpu", compile=True, **fast.options)[0].args[0]

@@ -240,9 +240,9 @@ class FastBlocks:
         for i in range(len(blocks) if fp8 else 0):
             self._weights(i)
         self.fp8 = fp8
+        self.options = {**FAST_BODY_OPTIONS, "emulate_precision_casts": emulate_casts}  # Inductor's
         self._pre, self._post, self._pre_into = REGIONS.select(
-            blocks[0].attn.to_q.weight.device, compile=compile,
-            **{**FAST_BODY_OPTIONS, "emulate_precision_casts": emulate_casts})
+            blocks[0].attn.to_q.weight.device, compile=compile, **self.options)
 
     def _weights(self, i: int):
         """Block ``i``'s region arguments, with the e4m3 copies in place of the weights (fp8)."""

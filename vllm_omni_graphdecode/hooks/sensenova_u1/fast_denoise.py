@@ -53,8 +53,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ... import compiling
-from ...compiling import COMPILE_FAILED, CompileFailed, Regions, dense_strides
+from ...compiling import COMPILE_FAILED, FAST_BODY_OPTIONS, CompileFailed, Regions, dense_strides
 from ...fp8 import W8A8Copies, linear
 from ...reasons import STRUCTURE, Reason
 from .ops import qk_norm_rope, rms_norm, rope_tables
@@ -229,8 +228,9 @@ class FastGen:
         if fp8 is not None:  # made at load, so the load's memory shows them
             for i in range(len(layers)):
                 self._weights(i)
+        self.options = dict(FAST_BODY_OPTIONS)  # Inductor's, when compile is on
         self._pre, self._post = REGIONS.select(layers[0].self_attn.qkv_proj_mot_gen.weight.device,
-                                               compile=compile, **compiling.FAST_BODY_OPTIONS)
+                                               compile=compile, **self.options)
 
     def prepare(self, batch: int, image: int, total: int, device) -> None:
         """What the attention needs for these shapes (at bind, outside any capture)."""
