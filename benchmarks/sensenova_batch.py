@@ -344,7 +344,7 @@ def _suffix(args) -> str:
     copies), ``_fast`` (bf16 with the fast denoising body, which rounds differently)."""
     if args.fp8 != "off":
         return "_fp8"
-    return "_fast" if getattr(args, "denoise", None) == "fast" else ""
+    return "_fast" if args.denoise == "fast" else ""
 
 
 def _row_counts(value: str) -> list[int]:

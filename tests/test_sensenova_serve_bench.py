@@ -134,6 +134,7 @@ def _answers(kind: str, n: int):
 def test_loaded_sends_all_at_once_and_records_each_latency_the_wall_time_and_no_pixels():
     text = driver._loaded(_answers("text", 4))
     assert len(text["answers"]) == 4 and text["latency_s"] == [1.0, 2.0, 3.0, 4.0]
+    assert isinstance(text["wall_s"], float) and text["wall_s"] >= 0  # recorded, not judged
     assert text["answers"][0]["text_chars"] == len("answer 0 " * 40)
     assert len(text["answers"][0]["text"]) == 200
     think = driver._loaded(_answers("think", 2))
