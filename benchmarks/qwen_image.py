@@ -71,7 +71,9 @@ What is timed
     ``run_case``: an eager warm-up image (``warmup_steps``, fewer steps are enough to warm every
     kernel), the eager image, then ``enable(pipe)``, the first wired image (binds and captures:
     ``first_ours_ms``) and the wired image that is reported (``ours_ms``). Both sides run at
-    the same steps, seed and prompts.
+    the same steps, seed and prompts. ``eager_sha256`` / ``ours_sha256``: the two images' fp32
+    bytes hashed, to compare runs in other processes or on other machines; ``first_equal``: the
+    first wired image equals the reported one (captured against replayed).
 
 Numbers (H200, ``benchmarks/results/h200-2026-11-30c/qwen-image.json``): 1024x1024, 50 steps,
 CFG 1: diffusers 7,930 ms, the plugin's fast mode 5,848 ms at 52.5 dB PSNR; CFG 4: 15,691 and
@@ -83,6 +85,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import hashlib
 import itertools
 import json
 import math
@@ -450,6 +453,8 @@ def run_case(pipe, *, enable: Callable[..., Any], cfg: float, steps: int, height
         "ssim": common.ssim(eager_img.permute(1, 2, 0).cpu().numpy(),
                             ours_img.permute(1, 2, 0).cpu().numpy(), data_range=1.0),
         "identical": bool(torch.equal(eager_img, ours_img)),
+        "first_equal": bool(torch.equal(first_img, ours_img)),
+        "eager_sha256": _sha256(eager_img), "ours_sha256": _sha256(ours_img),
         "latents_max_abs_diff": float(latents_diff),
         "steps": steps, "warmup_steps": warmup_steps or steps, "height": height, "width": width,
         "true_cfg_scale": cfg, "seed": seed, "prompt_tokens": eager.pop("prompt_tokens"),
@@ -462,6 +467,12 @@ def run_case(pipe, *, enable: Callable[..., Any], cfg: float, steps: int, height
         "plugin_counters": counters, "plugin_fallbacks": after["fallbacks"],
         "enable_kwargs": {k: repr(v) for k, v in enable_kwargs.items()},
     }
+
+
+def _sha256(image: torch.Tensor) -> str:
+    """The image's bytes as fp32 on the host, hashed: two processes or machines that made the
+    same image print the same digest."""
+    return hashlib.sha256(image.detach().float().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 def _without(d: dict, *keys) -> dict:

@@ -27,7 +27,7 @@ SIZE = 64  # 4x4 latents: the tiny pipeline's VAE compresses 16x, like the relea
 STEPS = 3
 
 ROW_FIELDS = ("eager_ms", "ours_ms", "first_ours_ms", "psnr_db", "first_psnr_db", "ssim", "identical",
-              "latents_max_abs_diff", "steps", "warmup_steps", "height", "width", "true_cfg_scale",
+              "first_equal", "eager_sha256", "ours_sha256", "latents_max_abs_diff", "steps", "warmup_steps", "height", "width", "true_cfg_scale",
               "prompt_tokens", "eager_step_ms", "ours_step_ms", "eager_split", "ours_split",
               "first_ours_split", "plugin_counters", "plugin_fallbacks")
 SPLIT_FIELDS = ("total_ms", "encode_ms", "denoise_ms", "step0_ms", "step1_ms", "cached_step_ms",
@@ -105,6 +105,9 @@ def test_run_case_wired_image_equals_eager_and_every_cached_step_ran_the_plugin(
     assert set(ROW_FIELDS) <= set(row)
     assert row["psnr_db"] == math.inf and row["first_psnr_db"] == math.inf
     assert row["identical"] and row["latents_max_abs_diff"] == 0.0
+    # The digests hash the images: equal images, equal 64-hex digests.
+    assert row["first_equal"] and row["eager_sha256"] == row["ours_sha256"]
+    assert len(row["ours_sha256"]) == 64
     assert (row["steps"], row["warmup_steps"], row["height"], row["width"],
             row["true_cfg_scale"]) == (STEPS, 2, SIZE, SIZE, cfg)
     assert len(row["prompt_tokens"]) == branches
