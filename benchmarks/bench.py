@@ -10,12 +10,14 @@ bf16 matmul rate) are measured in the same run. Run it through scripts/gpu/run_s
 host (CONTRIBUTING.md).
 
 Cases (names as in the result rows):
-  sensenova_decode_ctxN[_fa2|_fa3|_fa3_kK|_fa3_exact|_intree|_fp8]: ms/token of SenseNova-U1's text
+  sensenova_decode_ctxN[_fa2|_fa3|_fa3_kK|_fa3_exact|_intree|_fp8|_fp8_lmhead]: ms/token of
+      SenseNova-U1's text
       loop (`_generate_text`, which is what a request runs: argmax and `.item()` every step) eager
       vs the plugin (paged + graph, FA3 and FA2 at the defaults; FA3 at each tokens-per-launch K
       and with the model's own step), or vs vllm-omni 0.30's in-tree path when that is the stack.
       With --fp8, ``_fp8``: the step's linear layers on FP8 weight copies (issue #23), with its
-      bf16 row's time, the in-tree path's on 0.30, and greedy-token agreement with the bf16 step.
+      bf16 row's time, the in-tree path's on 0.30, and greedy-token agreement with the bf16 step;
+      with --fp8-lm-head also ``_fp8_lmhead``: lm_head in FP8 too, compared with ``_fp8`` as well.
       Floor: the bytes a decode step must read (understanding weights without `*_mot_gen`, one
       embedding row, lm_head, and the K/V at that context) over the measured copy bandwidth.
   sensenova_sampled_ctxN_kK: the same text loop sampling (do_sample, temperature 0.7): eager vs
@@ -132,15 +134,16 @@ def sensenova_read_bytes(lm, ctx: int) -> int:
 FP8_DECODE_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def sensenova_fp8_read_bytes(lm, ctx: int) -> int:
+def sensenova_fp8_read_bytes(lm, ctx: int, lm_head: bool = False) -> int:
     """``sensenova_read_bytes`` with the decode step's FP8 copies in place of the bf16 weights of
     the layers they cover (qkv, o, gate-up, down: one byte a weight and an fp32 scale a row);
-    ``lm_head`` stays bf16."""
+    ``lm_head`` stays bf16 unless ``lm_head`` (``sensenova_lm_head``)."""
     saved = 0
     for name, p in lm.named_parameters():
         if "_mot_gen" in name or not name.endswith(".weight"):
             continue
-        if name.rsplit(".", 2)[-2] in FP8_DECODE_LAYERS and name.startswith("model.layers."):
+        if ((name.rsplit(".", 2)[-2] in FP8_DECODE_LAYERS and name.startswith("model.layers."))
+                or (lm_head and name == "lm_head.weight")):
             saved += p.numel() * (p.element_size() - 1) - p.shape[0] * 4
     return sensenova_read_bytes(lm, ctx) - saved
 
@@ -224,7 +227,7 @@ def bench_sensenova(args, rows, env):
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
             by_name[name] = rows[-1]
-            if args.fp8 and name in _fp8_pair(args, ctx):
+            if args.fp8 and name in _fp8_pair(args, ctx) + _fp8_head_names(args, ctx):
                 with torch.inference_mode():
                     texts[name] = pipe._generate_text(prefix_logits, make_cache(), t_idx,
                                                       max_tokens=args.agree_tokens)
@@ -232,8 +235,13 @@ def bench_sensenova(args, rows, env):
             del pipe, wiring
             torch.cuda.empty_cache()
         if args.fp8:
-            fp8_floor = sensenova_fp8_read_bytes(lm, ctx + args.steps // 2) / copy_bandwidth(env) * 1e3
+            bw = copy_bandwidth(env)
+            fp8_floor = sensenova_fp8_read_bytes(lm, ctx + args.steps // 2) / bw * 1e3
             _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor)
+            for head_name in _fp8_head_names(args, ctx):
+                head_floor = sensenova_fp8_read_bytes(lm, ctx + args.steps // 2,
+                                                      lm_head=True) / bw * 1e3
+                _fp8_fields(args, ctx, by_name, texts, intree_ms, head_floor, head_name)
         _write(args, rows, env)  # a run cut short keeps every context it finished
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
@@ -338,12 +346,29 @@ def _fp8_pair(args, ctx) -> tuple[str, str]:
     return f"sensenova_decode_ctx{ctx}_fa{args.fa[0]}", f"sensenova_decode_ctx{ctx}_fp8"
 
 
-def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None) -> None:
-    """The ``_fp8`` row's comparisons: against the bf16 step of the same run (time and greedy
-    tokens: how many of ``--agree-tokens`` lead alike, the bench tokenizer giving one word a
-    token) and, on 0.30, against the in-tree path timed in this run; ``fp8_floor_ms``: its own
-    floor (``floor_ms`` is the bf16 step's), and ``of_fp8_floor``."""
+def _fp8_head_names(args, ctx) -> tuple[str, ...]:
+    """The ``_fp8_lmhead`` row's name where ``--fp8-lm-head`` asks for it."""
+    return (f"sensenova_decode_ctx{ctx}_fp8_lmhead",) if args.fp8 and args.fp8_lm_head else ()
+
+
+def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None, name=None) -> None:
+    """The ``_fp8`` row's comparisons (or row ``name``'s: ``_fp8_lmhead``): against the bf16
+    step of the same run (time and greedy tokens: how many of ``--agree-tokens`` lead alike, the
+    bench tokenizer giving one word a token) and, on 0.30, against the in-tree path timed in this
+    run; ``fp8_floor_ms``: its own floor (``floor_ms`` is the bf16 step's), and
+    ``of_fp8_floor``. The ``_fp8_lmhead`` row also against the ``_fp8`` row
+    (``fp8_ms``, ``speedup_vs_fp8``, ``agree_tokens_vs_fp8``)."""
     bf16_name, fp8_name = _fp8_pair(args, ctx)
+    if name is not None:
+        fp8_row = by_name.get(fp8_name)
+        row = by_name.get(name)
+        if row is not None and fp8_row is not None and row.get("ours_ms") and fp8_row.get(
+                "ours_ms"):
+            row["fp8_ms"] = fp8_row["ours_ms"]
+            row["speedup_vs_fp8"] = common.significant(fp8_row["ours_ms"] / row["ours_ms"])
+        if row is not None and name in texts and fp8_name in texts:
+            row["agree_tokens_vs_fp8"] = _agree(texts[name], texts[fp8_name])
+        fp8_name = name
     row, bf16 = by_name.get(fp8_name), by_name.get(bf16_name)
     if row is None or bf16 is None:
         return
@@ -381,6 +406,9 @@ def _plugin_variants(args, ctx):
         if args.fp8:
             variants.append((f"sensenova_decode_ctx{ctx}_fp8", fa,
                              {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}))
+        for name in _fp8_head_names(args, ctx):
+            variants.append((name, fa, {"VLLM_OMNI_GRAPHDECODE_FP8":
+                                        "sensenova_decode,sensenova_lm_head"}))
     return variants
 
 
@@ -791,6 +819,9 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="sensenova_decode: also the FP8 step (`_fp8` rows: against the bf16 "
                          "step and, on 0.30, the in-tree path; greedy-token agreement)")
+    ap.add_argument("--fp8-lm-head", action="store_true",
+                    help="with --fp8: also the step with its lm_head in FP8 (`_fp8_lmhead` rows, "
+                         "VLLM_OMNI_GRAPHDECODE_FP8=sensenova_decode,sensenova_lm_head)")
     ap.add_argument("--agree-tokens", type=int, default=1024,
                     help="greedy tokens compared between the FP8 and bf16 steps")
     ap.add_argument("--think-prompt", type=int, default=512, help="sensenova_think prompt tokens")

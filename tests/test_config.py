@@ -45,9 +45,12 @@ def test_enable_variable_accepts_documented_values(raw, models):
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "16384", "buckets listed in"),
     ("VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS", "1024, 16384", "buckets listed in"),
     ("VLLM_OMNI_GRAPHDECODE_FP8", "fp16",
-     "off (default), on (every FP8 path), or a comma list of sensenova_decode, "
-     "sensenova_denoise, qwen_image_21"),
+     "off (default), on (every FP8 path but the lm_head), or a comma list of sensenova_decode, "
+     "sensenova_denoise, qwen_image_21, sensenova_lm_head"),
     ("VLLM_OMNI_GRAPHDECODE_FP8", "sensenova_decode,qwen", "sensenova_denoise, qwen_image_21"),
+    ("VLLM_OMNI_GRAPHDECODE_FP8", "sensenova_lm_head",
+     "sensenova_lm_head together with sensenova_decode"),
+    ("VLLM_OMNI_GRAPHDECODE_FP8", "on,sensenova_lm_head", "a comma list of"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "0", "a positive integer"),
     ("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "many", "a positive integer"),
 ])
@@ -65,10 +68,13 @@ def test_invalid_value_names_variable_value_and_what_is_accepted(var, raw, accep
     ("1", set(config.FP8_PATHS)), (" sensenova_decode ", {"sensenova_decode"}),
     ("qwen_image_21,sensenova_decode", {"qwen_image_21", "sensenova_decode"}),
     ("sensenova_denoise", {"sensenova_denoise"}),
+    ("sensenova_decode,sensenova_lm_head", {"sensenova_decode", "sensenova_lm_head"}),
 ])
 def test_fp8_variable_accepts_off_on_and_path_names(raw, paths):
     assert config.parse({"VLLM_OMNI_GRAPHDECODE_FP8": raw}).fp8 == paths
     assert config.parse({}).fp8 == frozenset()  # opt-in
+    # The lm_head is named only: ``on`` keeps it bf16, as vLLM's --quantization fp8 does.
+    assert "sensenova_lm_head" not in config.parse({"VLLM_OMNI_GRAPHDECODE_FP8": "on"}).fp8
 
 
 def test_buckets_alone_derive_the_precapture_buckets():

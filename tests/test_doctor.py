@@ -62,7 +62,8 @@ def test_doctor_fp8_line_names_the_kernels_where_fp8_runs(monkeypatch):
     monkeypatch.setattr(fp8_gemv, "available", lambda device: None)
     line = cli.fp8_report("cuda:0")
     assert line.startswith("decode steps: e4m3 weights, bf16 activations: one request through "
-                           "the plugin's one-row FP8 GEMV, batched steps through vLLM Marlin")
+                           "the plugin's one-row FP8 GEMV (its lm_head too where named: "
+                           "sensenova_lm_head), batched steps through vLLM Marlin")
     assert line.endswith("denoising steps: W8A8 (torch._scaled_mm, e4m3 weights and per-row "
                          "activation scales)")
     monkeypatch.setattr(fp8_gemv, "available",

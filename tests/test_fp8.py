@@ -199,3 +199,51 @@ def test_fp8_one_row_linears_keep_marlin_where_the_gemv_cannot_run():
     batched = fp8.Fp8Linears("sensenova_u1")
     assert batched._make is fp8.Fp8Weight and batched.why_not_gemv is None
     assert "vLLM Marlin" in batched.describe()
+
+
+def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits():
+    """``Fp8Linears.quantize_head`` on a real SenseNova-U1 language model (tiny, bf16, CPU): the
+    head's copy is refused, with ``HEAD_KEPT``'s reason, for Marlin's copies and for each
+    logits-processor setting the copy would skip (soft cap, scale, logits as input, another
+    head dtype); where the one-row GEMV's copies serve it is made from the head's rows (its
+    bytes counted, the load line naming it), and ``release`` drops it until the next use."""
+    from vllm_omni_graphdecode import fp8_gemv
+    from vllm_omni_graphdecode.testing import random_models as st
+
+    lm = st.build_lm(dtype=torch.bfloat16)
+    marlin = fp8.Fp8Linears("sensenova_u1")
+    why = marlin.quantize_head(lm)
+    assert why is not None and why.same(fp8.HEAD_KEPT) and "Marlin" in why.detail
+    assert not marlin.has_head and marlin.logits(torch.zeros(1, 64)) is None
+
+    # The GEMV's layout (what Fp8Linears(one_row=True) picks on a GPU that runs it); its
+    # constructor only quantises, which the CPU does.
+    linears = fp8.Fp8Linears("sensenova_u1")
+    linears.gemv, linears._make = True, fp8_gemv.Fp8GemvWeight
+    processor = lm.logits_processor
+    for attr, value, said in (("soft_cap", 30.0, "soft-caps at 30.0"),
+                              ("scale", 0.5, "scales by 0.5"),
+                              ("logits_as_input", True, "takes logits as input"),
+                              ("head_dtype", torch.float32, "computes in torch.float32")):
+        before = getattr(processor, attr)
+        setattr(processor, attr, value)
+        try:
+            why = linears.quantize_head(lm)
+        finally:
+            setattr(processor, attr, before)
+        assert why is not None and why.same(fp8.HEAD_KEPT) and said in why.detail, (attr, why)
+        assert not linears.has_head
+    assert linears.quantize_head(lm) is None and linears.has_head
+    # vLLM pads the head's rows (96 -> 128 here); the logits keep the first org_vocab_size.
+    padded, hidden = lm.lm_head.weight.shape
+    vocab = processor.org_vocab_size
+    assert vocab < padded
+    copy = linears._head_copy
+    assert copy.w8.shape == (vocab, hidden) and copy.w8.dtype == fp8.FP8_DTYPE
+    assert linears.nbytes == copy.nbytes == vocab * hidden + vocab * 4
+    assert "linear layers and lm_head" in linears.describe()
+    w8, scale = fp8.quantize_rows(lm.lm_head.weight.detach()[:vocab])
+    assert torch.equal(copy.w8.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(copy.scale, scale)
+    linears.release()
+    assert linears._head_copy is None and linears.has_head  # made again at the next use

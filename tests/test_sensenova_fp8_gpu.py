@@ -207,6 +207,44 @@ def test_gpu_fp8_graph_replay_equals_the_fp8_eager_step_token_for_token(gpu):
     assert not [k for k in stats.degraded_paths(MODEL) if "FP8" in k or "bf16" in k]
 
 
+FP8_HEAD = {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode,sensenova_lm_head"}
+
+
+def test_gpu_fp8_lm_head_gives_the_step_its_logits_and_replay_equals_the_eager_step(gpu):
+    """``sensenova_lm_head``: the one-request step's logits come from the head's e4m3 copy
+    through the one-row GEMV. On a hidden state the copy gives the dequantised head's logits
+    (fp32 reference on the same e4m3 values; the GEMV's fp32 sum order differs: bound 1% of the
+    largest logit) and not the bf16 head's; the think loop replayed from graphs equals itself
+    run eagerly, token for token, nothing counted as kept in bf16; and the step reads the copy:
+    with the copy's scales zeroed every logit is 0, so every greedy token is the first id."""
+    if fp8_gemv.available("cuda") is not None:
+        pytest.skip(fp8_gemv.available("cuda").describe())
+    steps = 200
+    pipe = _pipe(gpu, cfg=_cfg(**FP8_HEAD))
+    linears = _state(pipe).fusion.gemv
+    assert isinstance(linears, fp8.Fp8Linears) and linears.gemv and linears.has_head
+    assert any("and lm_head" in p for p in _state(pipe).fusion.describe())
+    lm = gpu.lm
+    hidden = torch.randn(1, 1, lm.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = linears.logits(hidden)
+        head = linears._head_copy
+        want = fp8_gemv.reference(hidden, head.w8, head.scale)
+        bf16 = lm.logits_processor(lm.lm_head, hidden)
+    assert got.shape == bf16.shape == want.shape
+    assert _relative(got, want) < 1e-2
+    assert not torch.equal(got, bf16), "the head's logits are the bf16 head's: copy not read"
+    graphed = _think(pipe, gpu.ids, steps)
+    eager_pipe = _pipe(gpu, cfg=_cfg(**FP8_HEAD), graphs=False)
+    eager = _think(eager_pipe, gpu.ids, steps)
+    assert graphed.tokens == eager.tokens and graphed.text == eager.text
+    assert stats.fallbacks(MODEL) == {}
+    assert not [k for k in stats.degraded_paths(MODEL) if "FP8" in k or "bf16" in k]
+    _state(eager_pipe).fusion.gemv._head_copy.scale.zero_()
+    zeroed = _think(eager_pipe, gpu.ids, 8)
+    assert set(zeroed.tokens) == {0}, zeroed.tokens
+
+
 def test_gpu_fp8_batch_answers_as_each_request_alone_bit_for_bit(checkpoint):  # noqa: F811
     pipe = _pipeline(checkpoint, cfg=_cfg_batch())
     wiring = getattr(pipe, hook.STATE_ATTR)

@@ -99,7 +99,8 @@ def fp8_report(device: str) -> str:
     else:
         one_row = fp8_gemv.available(device)
         decode = ("e4m3 weights, bf16 activations: one request through the plugin's one-row "
-                  "FP8 GEMV, batched steps through vLLM Marlin W8A16" if one_row is None else
+                  "FP8 GEMV (its lm_head too where named: sensenova_lm_head), batched steps "
+                  "through vLLM Marlin W8A16" if one_row is None else
                   "e4m3 weights, bf16 activations through vLLM Marlin W8A16 (one request "
                   f"too: {one_row.describe()})")
     # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.

@@ -25,6 +25,9 @@ SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
 FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
 # The hot paths that can read FP8 weight copies (issue #23); ``on`` means all of them.
 FP8_PATHS = ("sensenova_decode", "sensenova_denoise", "qwen_image_21")
+# Named only, never by ``on``: SenseNova-U1's lm_head in FP8 too (the layer that picks the token;
+# vLLM's ``--quantization fp8`` keeps lm_head unquantised as well).
+FP8_NAMED_ONLY = ("sensenova_lm_head",)
 # A launch records this many decode steps in one graph: capture time and graph memory grow with it.
 MAX_TOKENS_PER_LAUNCH = 64
 # Unset, the pre-capture buckets are the configured buckets up to this length: what a think
@@ -119,9 +122,13 @@ def _parse_fp8(var: str, raw: str) -> frozenset[str]:
     if value in ("1", "on", "true", "yes", "all"):
         return frozenset(FP8_PATHS)
     paths = [p.strip() for p in value.split(",") if p.strip()]
-    if not paths or any(p not in FP8_PATHS for p in paths):
-        raise _bad(var, raw, "off (default), on (every FP8 path), or a comma list of "
-                   + ", ".join(FP8_PATHS))
+    accepted = FP8_PATHS + FP8_NAMED_ONLY
+    if not paths or any(p not in accepted for p in paths):
+        raise _bad(var, raw, "off (default), on (every FP8 path but the lm_head), or a comma "
+                   "list of " + ", ".join(accepted))
+    if "sensenova_lm_head" in paths and "sensenova_decode" not in paths:
+        raise _bad(var, raw, "sensenova_lm_head together with sensenova_decode (the lm_head "
+                   "copy is read by the FP8 decode step), e.g. sensenova_decode,sensenova_lm_head")
     return frozenset(paths)
 
 
@@ -188,8 +195,9 @@ SETTINGS: tuple[Setting, ...] = (
             "depend on what decodes beside it); with N = 1 nothing changes. off: vLLM-Omni "
             "refuses --max-num-seqs above 1 for SenseNova-U1, as without the plugin."),
     Setting(FP8_VAR, "off", _parse_fp8, "fp8",
-            "FP8 (e4m3) weight copies on the hot paths, opt-in: off; on (every path below); or a "
-            "comma list of " + ", ".join(FP8_PATHS) + ". sensenova_decode: SenseNova-U1's "
+            "FP8 (e4m3) weight copies on the hot paths, opt-in: off; on (every path below but "
+            "sensenova_lm_head); or a comma list of " + ", ".join(FP8_PATHS + FP8_NAMED_ONLY)
+            + ". sensenova_decode: SenseNova-U1's "
             "think/text decode step (fused step, one-request and batched) reads its 42 layers' "
             "linear weights as e4m3 with a scale per output channel (one request at a time: "
             "the plugin's one-row FP8 GEMV; batched steps: vLLM's Marlin GEMM), "
@@ -203,7 +211,11 @@ SETTINGS: tuple[Setting, ...] = (
             "qwen_image_21: Qwen-Image-2.1's fast cached step "
             "runs its 224 linear layers W8A8 (e4m3 weights with a scale per output channel, each "
             "activation row quantised on the fly inside the compiled regions, torch._scaled_mm); "
-            "the copies take 6.98 GB beside the bf16 weights."),
+            "the copies take 6.98 GB beside the bf16 weights. sensenova_lm_head (named only, "
+            "never by on; with sensenova_decode): the one-request decode step's lm_head too, "
+            "through the one-row FP8 GEMV (0.62 GB of copies); it is the layer that picks the "
+            "token, so greedy tokens part from the FP8 step's sooner (docs/performance.md, FP8 "
+            "weights); a batched step (--max-num-seqs above 1) keeps the bf16 head, counted."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
             "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
             "buffers grow in steps of the gap between the last two buckets (tail step)."),

@@ -58,6 +58,12 @@ LAYER_KEPT = Reason("layer kept in bf16",
                     "nothing to change for LoRA: an adapter's layer runs its own bf16 kernel. "
                     "FP8 copies cover unquantised vllm linear layers without active LoRA "
                     "adapters, hooks or tensor parallelism (the detail names the layer)")
+HEAD_KEPT = Reason("lm_head kept in bf16",
+                   "FP8 lm_head (VLLM_OMNI_GRAPHDECODE_FP8=...,sensenova_lm_head) reads through the "
+                   "one-row FP8 GEMV only: one request at a time (--max-num-seqs 1), on a GPU that "
+                   "runs it, with an unquantised, unsharded lm_head and plain logits (no scale, "
+                   "soft cap or other head dtype); the detail says which is missing. Meanwhile "
+                   "the step's logits come from the bf16 lm_head, as without it")
 
 
 def available(device) -> Reason | None:
@@ -302,6 +308,46 @@ class Fp8Linears:
                 self.gemv, self._make = True, fp8_gemv.Fp8GemvWeight
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
+        self._head = None  # (weakref to the lm_head, the rows it keeps) once ``quantize_head``
+        self._head_copy = None
+
+    def quantize_head(self, language_model) -> Reason | None:
+        """An e4m3 copy of ``language_model.lm_head`` for the one-row GEMV (``logits``), or why
+        not (``HEAD_KEPT``): only where the GEMV serves, the head is a plain unsharded bf16
+        weight and vLLM's ``LogitsProcessor`` would only project (no scale, soft cap, other head
+        dtype or logits as input). Those logits then equal ``lm_head`` times the hidden state,
+        through the FP8 copy: the step's greedy token can differ from the bf16 head's (the
+        layer that picks the token; ``docs/performance.md`` measures how often)."""
+        head = getattr(language_model, "lm_head", None)
+        processor = getattr(language_model, "logits_processor", None)
+        why = _head_not_copyable(head, processor, self.gemv)
+        if why is not None:
+            return HEAD_KEPT.because(why)
+        rows = int(getattr(processor, "org_vocab_size", head.weight.shape[0]))
+        self._head = (weakref.ref(head), rows)
+        self._head_copy = self._make(head.weight[:rows], None)
+        return None
+
+    @property
+    def has_head(self) -> bool:
+        return self._head is not None
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``hidden_states`` (``[..., hidden]``) through the FP8 ``lm_head`` copy,
+        ``[..., vocab]`` in their dtype; None without one (the caller runs the model's head).
+        A released copy is made again, a stale one quantised again in place (as the layers'
+        copies)."""
+        if self._head is None:
+            return None
+        head = self._head[0]()
+        if head is None:
+            return None
+        weight = head.weight[:self._head[1]]
+        if self._head_copy is None:  # released since
+            self._head_copy = self._make(weight, None)
+        elif self._head_copy.stale(weight, None):
+            self._head_copy.refresh(weight, None)
+        return self._head_copy(hidden_states)
 
     def quantize(self, modules) -> list[str]:
         """Make the copies of ``modules`` (name -> layer); returns why each one left is kept."""
@@ -319,16 +365,19 @@ class Fp8Linears:
         from the layer's weight at the next capture. Sleep is also how a weight written through
         ``param.data`` (vLLM's loaders) reaches the copies: such a write leaves no trace."""
         self._copies.clear()
+        self._head_copy = None
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._copies.values())
+        head = self._head_copy.nbytes if self._head_copy is not None else 0
+        return sum(c.nbytes for c in self._copies.values()) + head
 
     def describe(self) -> str:
         """The load line's clause for these copies."""
         kernel = "the plugin's one-row FP8 GEMV" if self.gemv else "vLLM Marlin"
-        return (f"FP8 weights for {len(self)} linear layers ({self.nbytes / 1e9:.2f} GB beside "
-                f"the bf16 ones; {kernel})")
+        head = " and lm_head" if self._head is not None else ""
+        return (f"FP8 weights for {len(self)} linear layers{head} ({self.nbytes / 1e9:.2f} GB "
+                f"beside the bf16 ones; {kernel})")
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -361,3 +410,34 @@ class Fp8Linears:
         if copy is None:
             return None
         return copy.mlp_tail(gate_up, residual)
+
+
+def _head_not_copyable(head, processor, one_row_gemv: bool) -> str | None:
+    """Why an ``lm_head`` cannot be read through an FP8 copy in the one-row step, or None."""
+    if not one_row_gemv:
+        return ("the step reads its copies through vLLM's Marlin (a batched step shares them, or "
+                "the one-row GEMV cannot run here)")
+    if head is None or processor is None:
+        return "the language model has no lm_head and logits_processor"
+    weight = getattr(head, "weight", None)
+    if not torch.is_tensor(weight) or weight.dim() != 2 or weight.dtype not in (
+            torch.bfloat16, torch.float16):
+        return f"lm_head weight is {getattr(weight, 'dtype', type(weight).__name__)}, not bf16"
+    method = type(getattr(head, "quant_method", None)).__name__
+    if method not in ("UnquantizedEmbeddingMethod", "NoneType"):
+        return f"lm_head is quantised ({method})"
+    if int(getattr(head, "tp_size", 1) or 1) != 1:
+        return f"lm_head is sharded over {head.tp_size} ranks"
+    if getattr(processor, "logits_as_input", False):
+        return "the logits processor takes logits as input"
+    if getattr(processor, "soft_cap", None) is not None:
+        return f"the logits processor soft-caps at {processor.soft_cap}"
+    if float(getattr(processor, "scale", 1.0)) != 1.0:
+        return f"the logits processor scales by {processor.scale}"
+    head_dtype = getattr(processor, "head_dtype", None)
+    if head_dtype is not None and head_dtype != weight.dtype:
+        return f"the head computes in {head_dtype}"
+    rows = int(getattr(processor, "org_vocab_size", weight.shape[0]))
+    if rows > weight.shape[0]:
+        return f"the processor keeps {rows} logits of {weight.shape[0]} rows"
+    return None

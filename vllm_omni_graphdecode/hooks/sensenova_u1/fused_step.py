@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
 import torch
 
@@ -75,6 +76,13 @@ class Fusion:
         if self.gemv is not None:
             return self.gemv.mlp_tail(down_proj, gate_up, residual)
         return None
+
+    @property
+    def fp8_head(self):
+        """The FP8 copies when they hold an ``lm_head`` copy (``fp8.Fp8Linears.logits``), else
+        None: the model's own head computes the step's logits."""
+        linears = self.gemv
+        return linears if isinstance(linears, fp8.Fp8Linears) and linears.has_head else None
 
     def projection(self, module):
         """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""
@@ -149,10 +157,12 @@ class Fusion:
                                       self.projection(attn.qkv_proj))
 
 
-def fp8_linears(language_model, device, model: str, one_row: bool = False):
+def fp8_linears(language_model, device, model: str, one_row: bool = False,
+                lm_head: bool = False):
     """``(fp8.Fp8Linears or None, why not / what stays bf16)``: e4m3 copies of every decoder
     layer's qkv, o, gate-up and down projections (what a decode step reads), made now.
-    ``one_row``: only the one-request step reads them (``fp8.Fp8Linears``)."""
+    ``one_row``: only the one-request step reads them (``fp8.Fp8Linears``). ``lm_head``: the
+    head too, through the one-row GEMV (``fp8.Fp8Linears.quantize_head``; else its reason)."""
     why = fp8.available(device)
     if why is not None:
         return None, [why]
@@ -171,7 +181,22 @@ def fp8_linears(language_model, device, model: str, one_row: bool = False):
     why = [fp8.LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else []
     if linears.why_not_gemv is not None:
         why.append(linears.why_not_gemv)
+    if lm_head:
+        if not _takes(language_model, "compute_logits"):
+            why.append(fp8.HEAD_KEPT.because(
+                f"{type(language_model).__name__}.forward takes no compute_logits"))
+        else:
+            kept_head = linears.quantize_head(language_model)
+            if kept_head is not None:
+                why.append(kept_head)
     return linears, why
+
+
+def _takes(module, name: str) -> bool:
+    try:
+        return name in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 _ROPE_ATTRS = ("q_size", "kv_size", "num_heads", "num_kv_heads", "head_dim", "config",

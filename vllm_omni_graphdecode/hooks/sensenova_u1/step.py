@@ -90,8 +90,20 @@ class Step:
         self.indexes[0].add_(1)
 
     def forward(self, cache) -> torch.Tensor:
-        return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
-                       use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
+        head = self.fusion.fp8_head if self.fusion is not None else None
+        if head is None:
+            return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
+                           use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
+        # The FP8 lm_head (VLLM_OMNI_GRAPHDECODE_FP8=...,sensenova_lm_head): the model stops at
+        # the final norm's hidden state and the copy projects it (what the logits processor
+        # would do with the bf16 head, fused_step.fp8_linears checked it does nothing more).
+        hidden = self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
+                         use_cache=False, compute_logits=False,
+                         **{PAGED_KWARG: StepArgs(cache, self.fusion)}).hidden_states
+        logits = head.logits(hidden)
+        if logits is None:  # the head was replaced since: the model's own
+            logits = self.lm.logits_processor(self.lm.lm_head, hidden)
+        return logits
 
 
 NO_KV_WRITER_HERE = Reason("two-kernel K/V write", "run on a CUDA GPU with a CUDA build of vllm")

@@ -184,7 +184,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     if graphs is None:
         graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
     fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step, use_fp8,
-                                      rows)
+                                      rows, lm_head="sensenova_lm_head" in cfg.fp8)
     if off and isinstance(kernel, kernels.Kernel):
         from .fused_step import UNFUSED
 
@@ -287,11 +287,11 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
 
 
 def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = False,
-                rows: int = 1):
+                rows: int = 1, lm_head: bool = False):
     """(fusion or None, K/V writer or None, why each missing part is off). ``use_fp8``: the
     linear layers read e4m3 copies (``fused_step.fp8_linears``; laid out for the one-row GEMV
     when ``rows`` is 1, for the batched step's Marlin otherwise), each reason it cannot (or a
-    layer cannot) counted as a degraded path."""
+    layer cannot) counted as a degraded path; ``lm_head``: the head too (one row only)."""
     off: list[str] = []
     fusion = None
     if use_fp8 and not (layout.fused_step and step in ("fused", "tuned")):
@@ -302,7 +302,8 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
 
         linears = None
         if use_fp8:
-            linears, why = fp8_linears(lm, device, MODEL, one_row=rows == 1)
+            linears, why = fp8_linears(lm, device, MODEL, one_row=rows == 1,
+                                       lm_head=lm_head)
             for reason in why:
                 stats.degraded(MODEL, reason)
         fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned",
