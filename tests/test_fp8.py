@@ -247,3 +247,31 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
     assert torch.equal(copy.scale, scale)
     linears.release()
     assert linears._head_copy is None and linears.has_head  # made again at the next use
+
+
+def test_w8a8_copies_with_fast_accumulation_carry_the_flag_to_scaled_mm(monkeypatch):
+    """``W8A8Copies(fast_accum=True)`` hands out ``(w8, scale, True)``, and ``linear`` passes the
+    flag to ``torch._scaled_mm`` as ``use_fast_accum`` (recorded on the real op's call); plain
+    copies pass False. The CPU kernel rounds alike either way; the GPU's rounding and speed are
+    the probe's (``benchmarks/probes/fp8_accum.py``)."""
+    torch.manual_seed(3)
+    weight = (torch.randn(16, 32) * 0.05).to(torch.bfloat16)
+    x = torch.randn(4, 32).to(torch.bfloat16)
+    seen = []
+    real = torch._scaled_mm
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recording)
+    fast = fp8.W8A8Copies(fast_accum=True)(weight)
+    plain = fp8.W8A8Copies()(weight)
+    assert len(fast) == 3 and fast[2] is True and len(plain) == 2
+    assert torch.equal(fast[0].view(torch.uint8), plain[0].view(torch.uint8))
+    got = fp8.linear(x, fast)
+    want = fp8.linear(x, plain)
+    assert seen == [True, False]
+    torch.testing.assert_close(got.float(), fp8.w8a8_reference(x, *plain).float(), rtol=2e-2,
+                               atol=2e-2)
+    assert got.shape == want.shape == (4, 16)

@@ -13,7 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("probe", ["capture_failure.py", "fp8_attention.py", "fp8_gemv.py"])
+@pytest.mark.parametrize("probe", ["capture_failure.py", "fp8_attention.py", "fp8_gemv.py",
+                                   "fp8_accum.py"])
 def test_without_cuda_the_probe_exits_0_with_a_skipped_document(probe, tmp_path):
     script = os.path.join(ROOT, "benchmarks", "probes", probe)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}

@@ -450,6 +450,11 @@ def test_fp8_copies_are_made_at_construction_dropped_by_release_and_made_again()
     args = (seen[0]["hidden"], seen[0]["modulation"], seen[0]["rotary"], bufs)
     fast = fs.FastBlocks(model, kernels.SdpaAttention(), fp8=True)
     assert len(fast.copies) == 7 * len(model.transformer_blocks)
+    # Every copy carries the fast-accumulation flag the body's GEMMs run with (the default).
+    assert fast.copies.fast_accum
+    assert all(len(w) == 3 and w[2] is True for w in fast._weights(0)[0][0])
+    slow = fs.FastBlocks(model, kernels.SdpaAttention(), fp8=True, fp8_fast_accum=False)
+    assert all(len(w) == 2 for w in slow._weights(0)[0][0])
     with torch.no_grad():
         first = fast(*args)
         fast.release_copies()  # sleep level 2, after the graphs

@@ -199,28 +199,34 @@ def w8a8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def w8a8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
     """``x @ (w8 * scale).T + bias`` with ``x`` quantised to e4m3 on the fly, one scale per row
     (its ``amax / 448``): the dynamic per-token W8A8 of vLLM's ``--quantization fp8``, through
     ``torch._scaled_mm`` (row-wise scales, bf16 out). Written in plain torch ops so that inside
     an Inductor region the quantisation fuses into the kernel that produces ``x`` (and the bias
-    add into the one that reads the product); a row of zeros keeps scale 1."""
+    add into the one that reads the product); a row of zeros keeps scale 1. ``fast_accum``:
+    Hopper's FP8 fast accumulation (``use_fast_accum``: the tensor cores' own accumulator
+    throughout, no periodic promotion to fp32; the schedule vLLM's CUTLASS FP8 kernels run),
+    faster and rounding differently; a fixed choice, so every process rounds alike."""
     x2 = x.reshape(-1, x.shape[-1])
     amax = x2.abs().amax(dim=-1, keepdim=True).float()
     sx = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     x8 = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale, out_dtype=x.dtype)
+    out = torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=scale, out_dtype=x.dtype,
+                           use_fast_accum=fast_accum)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], w8.shape[0])
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a bf16 weight tensor, ``w8a8_linear`` for a ``(w8, scale)`` copy
-    (``W8A8Copies``): what a compiled step body calls, so that one body serves both."""
+    """``F.linear`` for a bf16 weight tensor, ``w8a8_linear`` for a ``(w8, scale)`` copy, or a
+    ``(w8, scale, fast_accum)`` one (``W8A8Copies``): what a compiled step body calls, so that
+    one body serves both."""
     if torch.is_tensor(weight):
         return torch.nn.functional.linear(x, weight, bias)
-    return w8a8_linear(x, *weight, bias)
+    w8, scale, *accum = weight
+    return w8a8_linear(x, w8, scale, bias, fast_accum=bool(accum and accum[0]))
 
 
 def w8a8_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
@@ -243,23 +249,26 @@ class W8A8Copies:
     addresses), dropped by ``release`` (sleep level 2, with the graphs that read them; re-made
     from the weights present at the next use). A write through ``param.data`` (how vLLM's
     weight loaders write) leaves no trace on the parameter: a weight update outside sleep needs
-    ``release`` too."""
+    ``release`` too. ``fast_accum``: each copy comes as ``(w8, scale, True)``, which ``linear``
+    runs with FP8 fast accumulation (``w8a8_linear``)."""
 
-    def __init__(self):
+    def __init__(self, fast_accum: bool = False):
         self._made: dict[int, tuple[weakref.ref, tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.fast_accum = fast_accum
+        self._flag = (True,) if fast_accum else ()
 
-    def __call__(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, weight: torch.Tensor) -> tuple:
         made = self._made.get(id(weight))
         if made is not None and made[0]() is weight:
             if made[1] == version_of(weight):
-                return made[2]
+                return made[2] + self._flag
             w8, scale = made[2]
             with torch.no_grad():
                 fresh = w8a8_weight(weight)
                 w8.copy_(fresh[0])
                 scale.copy_(fresh[1])
             self._made[id(weight)] = (made[0], version_of(weight), made[2])
-            return made[2]
+            return made[2] + self._flag
         with torch.no_grad():
             copy = w8a8_weight(weight)
         key = id(weight)
@@ -269,7 +278,7 @@ class W8A8Copies:
                 del made[key]
 
         self._made[key] = (weakref.ref(weight, forget), version_of(weight), copy)
-        return copy
+        return copy + self._flag
 
     def release(self) -> None:
         self._made.clear()

@@ -13,10 +13,13 @@
 #   scripts/gpu/head_session.sh x2   # 0.30: decode at 2048, 512, 8192 beside the in-tree path
 #   scripts/gpu/head_session.sh x3   # a second machine (after u): x1's repro, image and decode
 #                                    # at 2048 again
+#   scripts/gpu/head_session.sh q    # (a later machine, after u) 0.26: FP8 fast accumulation at
+#                                    # Qwen-Image-2.1's GEMM shapes (probe), the W8A8 image with
+#                                    # it, and the Qwen-Image-2.1 fast-step GPU tests
 #
 # About 1,200 device seconds with both starts. Build first (git-ignored): build_bundle.sh.
 set -uo pipefail
-what=${1:?usage: head_session.sh u|x1|x2|x3}
+what=${1:?usage: head_session.sh u|x1|x2|x3|q}
 source "$(dirname "$0")/session_common.sh"
 decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
 repro() {
@@ -51,6 +54,16 @@ case "$what" in
     repro M2
     image
     bench 150 decode-0.26 "$py26" "${decode[@]}" --contexts 2048
+    ;;
+  q)
+    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
+    mkdir -p "$res/fp8-accum-0.26"
+    PYTHONPATH=$py26 timeout 120 python3 benchmarks/probes/fp8_accum.py --out "$res/fp8-accum-0.26" \
+      >/dev/null 2>"$res/fp8-accum-0.26/log"
+    stamp fp8-accum-0.26
+    image
+    suite 150 qwen-fast-gpu-0.26 "tests/test_qwen_image_21_fast_step.py tests/test_qwen_image_21_gpu.py" \
+      -q -rfE -k "fp8 or fast"
     ;;
 esac
 finish

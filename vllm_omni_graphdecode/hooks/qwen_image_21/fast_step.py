@@ -46,6 +46,8 @@ layers of every block run W8A8 (``fp8.w8a8_linear``: e4m3 weights with a scale p
 made here once, and each activation row quantised on the fly), so the rounding moves further from
 diffusers' (the PSNR is in docs/performance.md). The e4m3 copies add half the bf16 bytes of those
 layers (6.98 GB at the real shape); the bf16 weights stay for the extract step and the exact mode.
+The GEMMs accumulate with Hopper's FP8 fast accumulation (``fp8_fast_accum``, as vLLM's CUTLASS
+FP8 kernels do; ``benchmarks/probes/fp8_accum.py`` times both and gives each one's error).
 
 Preconditions (the caller checks them at bind): the step's rows are the target image only, with an
 all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
@@ -213,7 +215,7 @@ class FastBlocks:
     """
 
     def __init__(self, transformer, attention, *, compile: bool = False, fuse_qkv: bool = False,
-                 emulate_casts: bool = True, fp8: bool = False):
+                 emulate_casts: bool = True, fp8: bool = False, fp8_fast_accum: bool = True):
         problem = structure_problem(transformer)
         if problem is not None:
             raise ValueError(problem.describe())
@@ -236,7 +238,7 @@ class FastBlocks:
             self._post_args.append((*post, b.img_norm2.eps))
         # e4m3 copies, one scale per output channel (the bf16 weights stay), made now so that the
         # load's memory shows them; ``release_copies`` drops them (sleep level 2).
-        self.copies = W8A8Copies() if fp8 else None
+        self.copies = W8A8Copies(fast_accum=fp8_fast_accum) if fp8 else None
         for i in range(len(blocks) if fp8 else 0):
             self._weights(i)
         self.fp8 = fp8
