@@ -16,10 +16,11 @@
 #   scripts/gpu/head_session.sh q    # (a later machine, after u) 0.26: FP8 fast accumulation at
 #                                    # Qwen-Image-2.1's GEMM shapes (probe), the W8A8 image with
 #                                    # it, and the Qwen-Image-2.1 fast-step GPU tests
+#   scripts/gpu/head_session.sh i    # (another machine, after u) 0.26: q's image again
 #
 # About 1,200 device seconds with both starts. Build first (git-ignored): build_bundle.sh.
 set -uo pipefail
-what=${1:?usage: head_session.sh u|x1|x2|x3|q}
+what=${1:?usage: head_session.sh u|x1|x2|x3|q|i}
 source "$(dirname "$0")/session_common.sh"
 decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
 repro() {
@@ -54,6 +55,10 @@ case "$what" in
     repro M2
     image
     bench 150 decode-0.26 "$py26" "${decode[@]}" --contexts 2048
+    ;;
+  i)
+    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
+    image
     ;;
   q)
     nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
