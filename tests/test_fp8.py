@@ -247,6 +247,13 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
     assert torch.equal(copy.scale, scale)
     linears.release()
     assert linears._head_copy is None and linears.has_head  # made again at the next use
+    # A head replaced since (or wrapped by an active LoRA adapter): the model's own runs, counted.
+    from vllm_omni_graphdecode import stats
+
+    stats.reset()
+    assert linears.logits(torch.zeros(1, hidden, dtype=torch.bfloat16),
+                          torch.nn.Linear(hidden, vocab)) is None
+    assert any("lm_head kept in bf16" in k for k in stats.degraded_paths("sensenova_u1"))
 
 
 def test_w8a8_copies_with_fast_accumulation_carry_the_flag_to_scaled_mm(monkeypatch):

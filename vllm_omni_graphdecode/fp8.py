@@ -341,15 +341,19 @@ class Fp8Linears:
     def has_head(self) -> bool:
         return self._head is not None
 
-    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def logits(self, hidden_states: torch.Tensor, module=None) -> torch.Tensor | None:
         """The logits of ``hidden_states`` (``[..., hidden]``) through the FP8 ``lm_head`` copy,
         ``[..., vocab]`` in their dtype; None without one (the caller runs the model's head).
-        A released copy is made again, a stale one quantised again in place (as the layers'
-        copies)."""
+        ``module``: the model's ``lm_head`` now; where it is no longer the copied head (replaced,
+        or wrapped by a LoRA adapter that is active) the caller's head runs, counted under
+        ``HEAD_KEPT``. A released copy is made again, a stale one quantised again in place (as
+        the layers' copies)."""
         if self._head is None:
             return None
         head = self._head[0]()
-        if head is None:
+        if head is None or (module is not None and gemv.base_of_inactive_lora(module) is not head):
+            stats.degraded(self.model, HEAD_KEPT.because(
+                f"lm_head is now {type(module).__name__} (replaced, or a LoRA adapter active)"))
             return None
         weight = head.weight[:self._head[1]]
         if self._head_copy is None:  # released since

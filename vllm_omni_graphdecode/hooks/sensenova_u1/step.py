@@ -100,8 +100,8 @@ class Step:
         hidden = self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
                          use_cache=False, compute_logits=False,
                          **{PAGED_KWARG: StepArgs(cache, self.fusion)}).hidden_states
-        logits = head.logits(hidden)
-        if logits is None:  # the head was replaced since: the model's own
+        logits = head.logits(hidden, self.lm.lm_head)
+        if logits is None:  # the head was replaced or wrapped since: the model's own
             logits = self.lm.logits_processor(self.lm.lm_head, hidden)
         return logits
 
