@@ -1,10 +1,14 @@
-"""FP8 fast accumulation at Qwen-Image-2.1's cached-step GEMM shapes, on one GPU.
+"""FP8 fast accumulation at a denoising step's GEMM shapes, on one GPU.
 
-    python3 benchmarks/probes/fp8_accum.py --out DIR [--blocks 32]   (H200: ~1 minute)
+    python3 benchmarks/probes/fp8_accum.py --out DIR [--model qwen_image_21|sensenova_u1]
+                                                                    (H200: ~1 minute)
 
-The seven linear layers of a Qwen-Image-2.1 block (q, k, v, out: 4,096 x 4,096; gate, up: 12,288
-x 4,096; down: 4,096 x 12,288) at 4,096 rows (a 1024x1024 target), ``--blocks`` blocks' worth as
-one CUDA graph (``--distinct`` blocks of random N(0, 0.02) weights, cycled), timed four ways:
+``qwen_image_21`` (the default): the seven linear layers of a Qwen-Image-2.1 block (q, k, v, out:
+4,096 x 4,096; gate, up: 12,288 x 4,096; down: 4,096 x 12,288) at 4,096 rows (a 1024x1024
+target), 32 blocks. ``sensenova_u1``: the four of a SenseNova-U1 generation layer (qkv 6,144 x
+4,096, o 4,096 x 4,096, gate-up 24,576 x 4,096, down 4,096 x 12,288) at 1,024 rows (a 1024x1024
+image's tokens), 42 layers. ``--blocks`` blocks' worth as one CUDA graph (``--distinct`` blocks
+of random N(0, 0.02) weights, cycled), timed four ways:
 
 - ``bf16``: ``F.linear`` (cuBLAS), the bf16 fast step's GEMMs;
 - ``scaled_mm``: ``torch._scaled_mm`` with row-wise scales, e4m3 inputs quantised beforehand
@@ -13,7 +17,8 @@ one CUDA graph (``--distinct`` blocks of random N(0, 0.02) weights, cycled), tim
 - ``cutlass``: vLLM's ``cutlass_scaled_mm`` on the same e4m3 inputs, where vLLM is importable.
 
 Per variant: ms per graph replay (median), and per shape the largest error against fp32 on the
-same e4m3 values, relative to the largest output (``rel_err``). Writes DIR/fp8-accum.json and
+same e4m3 values, relative to the largest output (``rel_err``). Writes DIR/fp8-accum.json
+(``fp8-accum-sensenova_u1.json`` for that model) and
 prints it. Needs CUDA (FP8 tensor cores: compute capability 8.9 or newer); without, it prints a
 ``skipped`` line and exits 0, having measured nothing.
 """
@@ -35,10 +40,16 @@ from common import capture_graph, environment, time_ms  # noqa: E402
 
 from vllm_omni_graphdecode import fp8  # noqa: E402
 
-HIDDEN, MLP, ROWS = 4096, 12288, 4096
-SHAPES = (("q", HIDDEN, HIDDEN), ("k", HIDDEN, HIDDEN), ("v", HIDDEN, HIDDEN),
-          ("out", HIDDEN, HIDDEN), ("gate", MLP, HIDDEN), ("up", MLP, HIDDEN),
-          ("down", HIDDEN, MLP))
+HIDDEN, MLP = 4096, 12288
+# model -> (rows, blocks, (name, N, K) per linear layer of a block)
+MODELS = {
+    "qwen_image_21": (4096, 32, (("q", HIDDEN, HIDDEN), ("k", HIDDEN, HIDDEN),
+                                 ("v", HIDDEN, HIDDEN), ("out", HIDDEN, HIDDEN),
+                                 ("gate", MLP, HIDDEN), ("up", MLP, HIDDEN),
+                                 ("down", HIDDEN, MLP))),
+    "sensenova_u1": (1024, 42, (("qkv", 6144, HIDDEN), ("o", HIDDEN, HIDDEN),
+                                ("gate_up", 2 * MLP, HIDDEN), ("down", HIDDEN, MLP))),
+}
 
 
 def _quantize_rows(x):
@@ -68,9 +79,12 @@ def _variants():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument("--model", default="qwen_image_21", choices=sorted(MODELS))
+    ap.add_argument("--blocks", type=int, default=None, help="default: the model's layers")
     ap.add_argument("--distinct", type=int, default=4)
     args = ap.parse_args(argv)
+    rows, blocks, shapes = MODELS[args.model]
+    blocks = args.blocks or blocks
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device", "command": " ".join(sys.argv)}))
         return 0
@@ -82,20 +96,21 @@ def main(argv=None) -> int:
     dev = "cuda"
     layers = []
     for _ in range(args.distinct):
-        for name, n, k in SHAPES:
+        for name, n, k in shapes:
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
             w8, sw = fp8.w8a8_weight(w)
             layers.append((name, w, w8, sw))
     inputs = {}
-    for k in (HIDDEN, MLP):
-        x = torch.randn(ROWS, k, device=dev, dtype=torch.bfloat16)
+    for k in sorted({k for _, _, k in shapes}):
+        x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
         inputs[k] = (x, *_quantize_rows(x))
     variants = _variants()
     doc = {"environment": environment(), "command": "python3 " + " ".join(sys.argv),
-           "rows": ROWS, "blocks": args.blocks, "distinct_blocks": args.distinct, "variants": {}}
-    chain = [layers[(i * len(SHAPES) + j) % len(layers)]
-             for i in range(args.blocks) for j in range(len(SHAPES))]
-    flops = sum(2 * ROWS * w.shape[0] * w.shape[1] for _, w, _, _ in chain)
+           "model": args.model, "rows": rows, "blocks": blocks,
+           "distinct_blocks": args.distinct, "variants": {}}
+    chain = [layers[(i * len(shapes) + j) % len(layers)]
+             for i in range(blocks) for j in range(len(shapes))]
+    flops = sum(2 * rows * w.shape[0] * w.shape[1] for _, w, _, _ in chain)
     for vname, fn in variants.items():
         if not callable(fn):
             doc["variants"][vname] = fn
@@ -111,7 +126,7 @@ def main(argv=None) -> int:
             entry["ms"] = round(ms, 3)
             entry["tflops"] = round(flops / ms / 1e9, 1)
             errs = {}
-            for name, w, w8, sw in layers[:len(SHAPES)]:
+            for name, w, w8, sw in layers[:len(shapes)]:
                 x, x8, sx = inputs[w.shape[1]]
                 got = fn(x, w, x8, sx, w8, sw).float()
                 if vname == "bf16":
@@ -125,7 +140,8 @@ def main(argv=None) -> int:
         doc["variants"][vname] = entry
         print(f"[fp8-accum] {vname}: {entry}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fp8-accum.json"), "w") as f:
+    name = "fp8-accum.json" if args.model == "qwen_image_21" else f"fp8-accum-{args.model}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(doc, f, indent=1)
     print(json.dumps(doc, indent=1))
     return 0
