@@ -647,8 +647,10 @@ def bench_profile(args, rows, env):
                            "floor_ms_per_token": round(floor, 4)}
     k = config.parse({}).tokens_per_launch
     parts = set(getattr(args, "profile_parts", PROFILE_PARTS))
+    head = getattr(args, "fp8_lm_head", False)
+    fp8_name = f"sensenova_graph_fp8{'_lmhead' if head else ''}_ctx{ctx}"
     graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
-              (f"sensenova_graph_fp8_ctx{ctx}", k, "graph_fp8")]
+              (fp8_name, k, "graph_fp8")]
     for name, per_launch, part in graphs:
         if part not in parts:
             continue
@@ -659,7 +661,7 @@ def bench_profile(args, rows, env):
             lm, kernel, prefix_logits, make_cache, ctx, steps=args.profile_steps,
             buckets=buckets, copy_bytes_per_s=bw, device_type=device.type,
             tokens_per_launch=per_launch,
-            fusion=_fp8_fusion(lm, device) if part == "graph_fp8" else "auto"))
+            fusion=_fp8_fusion(lm, device, head) if part == "graph_fp8" else "auto"))
 
     def eager():
         if is_030:
@@ -695,13 +697,15 @@ def bench_profile(args, rows, env):
 PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; "graph_fp8" on request
 
 
-def _fp8_fusion(lm, device):
+def _fp8_fusion(lm, device, lm_head=False):
     """The fused step with the one-request step's FP8 copies (as ``VLLM_OMNI_GRAPHDECODE_FP8``
-    wires it), or the error why not."""
+    wires it; ``lm_head``: the head's copy too, as ``sensenova_lm_head`` does), or the error why
+    not."""
     from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
 
-    linears, why = fused_step.fp8_linears(lm, device, "sensenova_u1", one_row=True)
-    if linears is None:
+    linears, why = fused_step.fp8_linears(lm, device, "sensenova_u1", one_row=True,
+                                          lm_head=lm_head)
+    if linears is None or (lm_head and not linears.has_head):
         raise RuntimeError(f"no FP8 copies: {[w.describe() for w in why]}")
     fusion = fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
     if not fusion.active:
