@@ -26,6 +26,10 @@ what=${1:?usage: prefetch_session.sh a|b|c|d}
 source "$(dirname "$0")/session_common.sh"
 decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
 sweep=/tmp/res-a/gemv-sweep-0.26/fp8-gemv.json
+# Each step's results reach $OUT as it ends, so that a call cut by the tool's limit brings back
+# what finished.
+eval "$(declare -f stamp | sed '1s/stamp/stamp_one/')"
+stamp() { stamp_one "$1"; mkdir -p "$OUT/partial"; cp -r "$res" "$OUT/partial/" 2>/dev/null; }
 apply_choice() {
   # fp8_gemv.MEASURED as step a chose it: today's (before), the sweep's picks, or with --pdl.
   local choice
@@ -38,26 +42,26 @@ apply_choice() {
   cp vllm_omni_graphdecode/fp8_gemv.py "$res/fp8_gemv-$choice.py"
 }
 profile() {  # profile DIR PYTHONPATH: where the FP8 + lm_head step's time goes at 2048
-  bench 120 "$1" "$2" --cases profile --profile-parts graph_fp8 --fp8-lm-head \
+  bench 90 "$1" "$2" --cases profile --profile-parts graph_fp8 --fp8-lm-head \
     --profile-context 2048
 }
 case "$what" in
   a)
     unpack
     nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
-    bench 150 decode-0.26-before "$py26" "${decode[@]}" --contexts 2048
+    bench 120 decode-0.26-before "$py26" "${decode[@]}" --contexts 2048
     mkdir -p "$res/gemv-sweep-0.26"
-    PYTHONPATH=$py26 timeout 200 python3 benchmarks/probes/fp8_gemv.py --out "$res/gemv-sweep-0.26" \
+    PYTHONPATH=$py26 timeout 180 python3 benchmarks/probes/fp8_gemv.py --out "$res/gemv-sweep-0.26" \
       --gemv-sweep --gemv-only >/dev/null 2>"$res/gemv-sweep-0.26/log"
     stamp gemv-sweep-0.26
     if [ -f "$sweep" ]; then
       cp vllm_omni_graphdecode/fp8_gemv.py /tmp/fp8_gemv-today.py
       python3 scripts/gpu/gemv_table.py "$sweep" >"$res/table-prefetch.txt" 2>&1
       cp vllm_omni_graphdecode/fp8_gemv.py "$res/fp8_gemv-prefetch.py"
-      bench 150 decode-0.26-prefetch "$py26" "${decode[@]}" --contexts 2048
+      bench 120 decode-0.26-prefetch "$py26" "${decode[@]}" --contexts 2048
       python3 scripts/gpu/gemv_table.py "$sweep" --pdl >"$res/table-pdl.txt" 2>&1
       cp vllm_omni_graphdecode/fp8_gemv.py "$res/fp8_gemv-pdl.py"
-      bench 150 decode-0.26-pdl "$py26" "${decode[@]}" --contexts 2048
+      bench 120 decode-0.26-pdl "$py26" "${decode[@]}" --contexts 2048
       python3 - "$res" >/tmp/gemv-choice 2>>"$res/summary.txt" <<'PY'
 import json, os, sys
 res = sys.argv[1]
