@@ -77,8 +77,6 @@ class KernelConfig:
     block_k: int  # weight bytes a program reads per row and loop step
     num_warps: int
     num_stages: int = 1
-    prefetch: int = 0  # weight blocks kept loading ahead (0-2; ``fp8_gemv_kernel.py``)
-    pdl: bool = False  # programmatic dependent launch where the GPU and Triton have it
 
 
 # SenseNova-U1's decode shapes (N, K) -> the fastest block sizes of a sweep at one row on the
@@ -171,20 +169,15 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
-    even_k = k % cfg.block_k == 0
-    # Prefetching needs whole blocks, at least as many as it keeps in flight (else plain loads).
-    prefetch = cfg.prefetch if even_k and k // cfg.block_k >= cfg.prefetch else 0
-    pdl = cfg.pdl and _pdl_available(x.device)
     grid = (-(-n // cfg.block_n), m)  # ceil: no per-call import on the eager path
-    extra = {"launch_pdl": True} if pdl else {}
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
         out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=even_k,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=prefetch, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -205,35 +198,64 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-_PDL: dict = {}
-
-
-def _pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch: a CUDA GPU of compute capability 9.0+ (Hopper) and a
-    Triton with ``gdc_wait`` and the ``launch_pdl`` launch option (else the plain launch)."""
-    if device.type != "cuda":
-        return False
-    found = _PDL.get(device.index)
-    if found is None:
-        from dataclasses import fields
-
-        from . import fp8_gemv_kernel
-
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-
-            has_option = any(f.name == "launch_pdl" for f in fields(CUDAOptions))
-        except ImportError:
-            has_option = False
-        found = (fp8_gemv_kernel.PDL_SUPPORTED and has_option
-                 and torch.cuda.get_device_capability(device) >= (9, 0))
-        _PDL[device.index] = found
-    return found
+_KERNEL = None
 
 
 def _kernel():
-    """The Triton kernel (``fp8_gemv_kernel.py``), imported on first use: importing this module
-    needs no Triton."""
-    from .fp8_gemv_kernel import fp8_gemv as kernel
+    """The Triton kernel, defined on first use (importing this module needs no Triton)."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
 
-    return kernel
+    @triton.jit
+    def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
+                 stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
+                 SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
+        # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
+        # are summed once at the end, so a row's order depends on the block sizes only.
+        pid_n = tl.program_id(0)
+        row = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + row * stride_xm + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                if SILU_MUL:
+                    up = tl.load(x_ptrs + K)
+                if EVEN_N:
+                    w = tl.load(w_ptrs, eviction_policy="evict_first")
+                else:
+                    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0,
+                                eviction_policy="evict_first")
+            else:
+                k_mask = start + offs_k < K
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+                if SILU_MUL:
+                    up = tl.load(x_ptrs + K, mask=k_mask, other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            if SILU_MUL:  # the input vLLM's silu_and_mul would have written, in x's dtype
+                gate = x.to(tl.float32)
+                x = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out = out.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # residual + out as two bf16 tensors add: one more rounding
+            res = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_mask, other=0.0)
+            out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
+
+    _KERNEL = fp8_gemv
+    return fp8_gemv
