@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from vllm_omni_graphdecode import fp8_gemv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,20 +15,18 @@ def _row(n, k, pick, today_us=9.5, pick_us=7.25):
             "config_for": {"config": {}, "us": today_us}}
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gemv_table_writes_each_pick_into_measured(tmp_path, pdl):
+def test_gemv_table_writes_each_pick_into_measured(tmp_path):
     sweep = {
-        "qkv": _row(6144, 4096, {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 1,
-                                 "prefetch": 2, "pdl": False}),
+        "qkv": _row(6144, 4096, {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 1}),
         "lm_head": _row(151936, 4096, {"block_n": 32, "block_k": 1024, "num_warps": 4,
-                                       "num_stages": 1, "prefetch": 0, "pdl": False}),
+                                       "num_stages": 2}),
     }
     doc = tmp_path / "fp8-gemv.json"
     doc.write_text(json.dumps({"gemv_sweep": sweep}))
     source = tmp_path / "fp8_gemv.py"
     original = open(os.path.join(ROOT, "vllm_omni_graphdecode", "fp8_gemv.py")).read()
     source.write_text(original)
-    args = [str(doc)] + (["--pdl"] if pdl else []) + [str(source)]
+    args = [str(doc), str(source)]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "gemv_table.py"),
                            *args], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
@@ -42,8 +38,8 @@ def test_gemv_table_writes_each_pick_into_measured(tmp_path, pdl):
     assert tail == original.partition("MEASURED = {\n")[2].partition("\n}")[2]
     table = eval("{\n" + body + "\n}", {"KernelConfig": fp8_gemv.KernelConfig})  # noqa: S307
     assert table == {
-        (6144, 4096): fp8_gemv.KernelConfig(16, 512, 8, 1, 2, pdl),
-        (151936, 4096): fp8_gemv.KernelConfig(32, 1024, 4, 1, 0, pdl)}
+        (6144, 4096): fp8_gemv.KernelConfig(16, 512, 8, 1),
+        (151936, 4096): fp8_gemv.KernelConfig(32, 1024, 4, 2)}
     assert "# qkv 7.25 (was 9.5, floor 5.88)" in body
 
 

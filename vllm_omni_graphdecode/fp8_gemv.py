@@ -20,7 +20,13 @@ weights; the step did not move), then with the squares summed inside the weight 
 input RMSNorm folded into qkv too (d521024, ``benchmarks/results/h200-2026-12-01i``): gate-up
 took 34.0 us a call against 33.5 with the pre-pass (the pre-pass was not the cost) and 27.8
 plain, qkv 10.2 against 8.7 plus a 2.4 us norm; the step 3.87 ms against 3.93, within what two
-machines differ by.
+machines differ by. Tried and reverted a third time (f015ab0,
+``benchmarks/results/h200-2026-12-03``), both changing no bit: the next one or two weight blocks
+loaded while a block is multiplied, 1.3-2x slower at every shape (o_proj 10.6 us against 6.7 at
+its block sizes, 8.5 at the best others), and programmatic dependent launch (the kernel starts
+as the one before it ends, loads its first blocks, then waits to read its input): the step's
+GEMVs as one chain 2.56 against 2.61 ms, the decode step 4.10 ms/token against 3.86 and 3.88
+without it on the same machine.
 
 What it guarantees:
 

@@ -26,8 +26,10 @@ weights (std 0.02) and inputs (std 1); ``kernel_vs_reference``: the Triton kerne
 fp32 restatement (``fp8.reference``); ``row_invariant``: row 0 of a 16-row call equals the
 1-row call bit for bit. --sweep times every block-size candidate per shape at 1 and 16 rows
 before the chain and uses the best (lowest sum of the two). --gemv-sweep times the plugin GEMV's
-block sizes per shape at one row (``gemv_sweep``; the chain keeps ``config_for``'s). Prints the JSON document and writes
-it to DIR/fp8-gemv.json.
+block sizes per shape at one row, lm_head's too (``gemv_sweep``; the chain keeps
+``config_for``'s), then the step's GEMVs as one chain with today's configs against the sweep's
+picks (``gemv_chain``; ``--gemv-only`` stops there; ``scripts/gpu/gemv_table.py`` writes the picks
+into ``fp8_gemv.MEASURED``). Prints the JSON document and writes it to DIR/fp8-gemv.json.
 """
 
 from __future__ import annotations
@@ -256,26 +258,21 @@ def sweep(layers: int, rows_list) -> dict:
     return best, table
 
 
-GEMV_SWEEP = [fp8_gemv.KernelConfig(bn, bk, w, 1, prefetch)
-              for bn in (4, 8, 16, 32) for bk in (512, 1024, 2048) for w in (4, 8)
-              for prefetch in (0, 1, 2)]
+GEMV_SWEEP = [fp8_gemv.KernelConfig(bn, bk, w, st)
+              for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
+              for (w, st) in ((4, 1), (8, 1))]
 # A config whose block sizes differ from today's rounds differently: it replaces today's only
-# when it is faster by more than this share (else today's blocks keep their best prefetch).
+# when it is faster by more than this share.
 NEW_BLOCKS_MARGIN = 0.02
 HEAD_COPIES = 3  # lm_head copies in a chain (26 GB for 42 would be a waste; 3 defeat L2)
-
-
-def _same_blocks(a: dict, b: dict) -> bool:
-    return all(a[key] == b[key] for key in ("block_n", "block_k", "num_warps", "num_stages"))
 
 
 def gemv_sweep(layers: int) -> dict:
     """The plugin GEMV's configs at one row, per shape (the four decoder-layer shapes and
     lm_head): us per layer (a chain of ``layers`` copies of the shape as one graph, ``HEAD_COPIES``
     for lm_head) against ``config_for``'s pick (today's) and the byte floor. ``pick``: the config
-    ``scripts/gpu/gemv_table.py`` writes into ``fp8_gemv.MEASURED`` (today's block sizes with
-    their fastest prefetch, unless other block sizes beat that by ``NEW_BLOCKS_MARGIN``).
-    ``prefetch_same_bits``: today's block sizes give the same output bits at every prefetch."""
+    ``scripts/gpu/gemv_table.py`` writes into ``fp8_gemv.MEASURED`` (today's, unless other
+    block sizes beat it by ``NEW_BLOCKS_MARGIN``: they round differently)."""
     table = {}
     for name, (n, k) in {**SHAPES, "lm_head": (VOCAB, HIDDEN)}.items():
         copies = HEAD_COPIES if name == "lm_head" else layers
@@ -298,17 +295,9 @@ def gemv_sweep(layers: int) -> dict:
         ok = [r for r in rows if "error" not in r]
         now = next(r for r in rows if r["config"] == dataclasses.asdict(today))
         best = min(ok, key=lambda r: r["us"])
-        same = [r for r in ok if _same_blocks(r["config"], now["config"])]
-        pick = min(same, key=lambda r: r["us"]) if same else now
-        if best["us"] < pick["us"] * (1 - NEW_BLOCKS_MARGIN):
-            pick = best
-        want = fp8_gemv.gemv(x, *ws[0], None, today)
-        table[name] = {
-            "shape": [n, k], "best": best, "config_for": now, "pick": pick,
-            "prefetch_same_bits": all(
-                torch.equal(fp8_gemv.gemv(x, *ws[0], None, dataclasses.replace(today, prefetch=p)),
-                            want) for p in (0, 1, 2)),
-            "floor_us": round(n * k / 4.28e12 * 1e6, 2), "all": rows}
+        pick = best if best["us"] < now["us"] * (1 - NEW_BLOCKS_MARGIN) else now
+        table[name] = {"shape": [n, k], "best": best, "config_for": now, "pick": pick,
+                       "floor_us": round(n * k / 4.28e12 * 1e6, 2), "all": rows}
         log(name, "best", best, "today", now, "pick", pick)
         del ws
         torch.cuda.empty_cache()
@@ -318,11 +307,9 @@ def gemv_sweep(layers: int) -> dict:
 def gemv_chain(layers: int, picks: dict) -> dict:
     """The one-request step's GEMVs alone, as one graph at one row: every layer's qkv, o,
     gate-up and down projections (``layers`` of each, own weights), then lm_head, with today's
-    configs (``config_for``), with ``picks`` ({name: KernelConfig}) and with the picks launched
-    as programmatic dependent launches (``picked_pdl``), in the same process, alternated three
-    times; ms per chain (median of each side's three) and whether each side's output has today's
-    bits (``same_bits``: [picked, picked_pdl]; the same wherever a pick kept today's block
-    sizes).""" 
+    configs (``config_for``) and with ``picks`` ({name: KernelConfig}) in the same process,
+    alternated three times; ms per chain (median of each side's three) and whether the picks'
+    output has today's bits (``same_bits``: wherever a pick kept today's config)."""
     shapes = {**SHAPES, "lm_head": (VOCAB, HIDDEN)}
     ws = {name: [fp8.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
                  for _ in range(1 if name == "lm_head" else layers)]
@@ -332,8 +319,6 @@ def gemv_chain(layers: int, picks: dict) -> dict:
     sides = {"today": {name: fp8_gemv.config_for(*shape) for name, shape in shapes.items()},
              "picked": {name: picks.get(name) or fp8_gemv.config_for(*shape)
                         for name, shape in shapes.items()}}
-    sides["picked_pdl"] = {name: dataclasses.replace(cfg, pdl=True)
-                           for name, cfg in sides["picked"].items()}
 
     def chain(cfgs):
         def run():
@@ -352,9 +337,8 @@ def gemv_chain(layers: int, picks: dict) -> dict:
     out["floor_ms"] = round((layers * sum(n * k for n, k in SHAPES.values()) + VOCAB * HIDDEN)
                             / 4.28e12 * 1e3, 4)
     out["same_bits"] = {
-        name: [bool(torch.equal(fp8_gemv.gemv(xs[name], *ws[name][0], None, sides["today"][name]),
-                                fp8_gemv.gemv(xs[name], *ws[name][0], None, sides[side][name])))
-               for side in ("picked", "picked_pdl")]
+        name: bool(torch.equal(fp8_gemv.gemv(xs[name], *ws[name][0], None, sides["today"][name]),
+                               fp8_gemv.gemv(xs[name], *ws[name][0], None, sides["picked"][name])))
         for name in shapes}
     log("chain", out)
     return out

@@ -1,40 +1,36 @@
 #!/usr/bin/env python3
 """Write a GEMV sweep's picks into ``fp8_gemv.MEASURED`` (the one-row FP8 GEMV's fixed configs).
 
-    python3 scripts/gpu/gemv_table.py RESULTS/fp8-gemv.json [--pdl] [vllm_omni_graphdecode/fp8_gemv.py]
+    python3 scripts/gpu/gemv_table.py RESULTS/fp8-gemv.json [vllm_omni_graphdecode/fp8_gemv.py]
 
 The sweep (``benchmarks/probes/fp8_gemv.py --gemv-sweep``) names a ``pick`` per shape; this
 rewrites the entries between ``MEASURED = {`` and its closing ``}``, one line per shape with the
 pick's time, today's and the byte floor (us per layer, at one row), and prints the new table. The
-configs stay fixed in the source: nothing is timed at load (``fp8_gemv.config_for``). ``--pdl``:
-every entry launches as a programmatic dependent launch (``KernelConfig.pdl``).
+configs stay fixed in the source: nothing is timed at load (``fp8_gemv.config_for``).
 """
 
 import json
 import re
 import sys
 
-FIELDS = ("block_n", "block_k", "num_warps", "num_stages", "prefetch", "pdl")
-DEFAULTS = {"num_stages": 1, "prefetch": 0, "pdl": False}
+DEFAULTS = {"num_stages": 1}  # KernelConfig's defaults, left out of an entry
 
 
-def entry(name: str, row: dict, pdl: bool = False) -> str:
-    cfg = dict(row["pick"]["config"], pdl=pdl)
-    args = ", ".join(f"{key}={cfg[key]}" for key in FIELDS
-                     if key in cfg and cfg[key] != DEFAULTS.get(key))
+def entry(name: str, row: dict) -> str:
+    cfg = row["pick"]["config"]
+    args = ", ".join(f"{key}={value}" for key, value in cfg.items()
+                     if DEFAULTS.get(key, object()) != value)
     n, k = row["shape"]
     return (f"    ({n}, {k}): KernelConfig({args}),  # {name} {row['pick']['us']} "
             f"(was {row['config_for']['us']}, floor {row['floor_us']})")
 
 
 def main(argv) -> int:
-    pdl = "--pdl" in argv
-    args = [a for a in argv[1:] if a != "--pdl"]
-    doc = json.load(open(args[0]))
-    path = args[1] if len(args) > 1 else "vllm_omni_graphdecode/fp8_gemv.py"
+    doc = json.load(open(argv[1]))
+    path = argv[2] if len(argv) > 2 else "vllm_omni_graphdecode/fp8_gemv.py"
     source = open(path).read()
     sweep = doc["gemv_sweep"]
-    body = "\n".join(entry(name, row, pdl) for name, row in sweep.items())
+    body = "\n".join(entry(name, row) for name, row in sweep.items())
     new, count = re.subn(r"(MEASURED = \{\n)(.*?)(\n\})", lambda m: m.group(1) + body + m.group(3),
                          source, count=1, flags=re.S)
     if count != 1:
