@@ -168,6 +168,18 @@ def _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps, repeats=3, temp
     return times[len(times) // 2]
 
 
+def _gate_ms(wiring) -> float:
+    """ms of the host check every request makes before it may decode on the paged path (the
+    hook's gate: one walk of the language model, ``rules.verdict``), median of 5; the GPU waits
+    for it at each request's start, so a 64-token row carries 1/64 of it per token."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        wiring.sessions.refusal()
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(sorted(times)[2], 3)
+
+
 def _text_contexts(args, env):
     """Yields (model, tokenizer, ctx, prefix logits, cache factory, floor ms) for each
     ``--contexts`` of the text-loop cases; on 0.30 the in-tree decode is switched off for the
@@ -214,16 +226,18 @@ def bench_sensenova(args, rows, env):
                 continue
             wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
+            gate = _gate_ms(wiring)
             snap = stats.snapshot()
             step = " + ".join((wiring.fusion.describe() if wiring.fusion else [])
                               + (["one-kernel K/V write"] if wiring.kv_writer else [])) or "unfused"
             k = cfg.tokens_per_launch
-            log(f"ctx {ctx}: {name} {ours:.2f} ms/token, step {step}, {k} tokens/launch "
-                f"({summary}; {snap['counters']})")
+            log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
+                f"step {step}, {k} tokens/launch ({summary}; {snap['counters']})")
             rows.append(common.case(name, eager, ours, floor,
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
                                     tokens_per_launch=k, sensenova_step=cfg.sensenova_step,
+                                    request_gate_ms=gate,
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
             by_name[name] = rows[-1]
