@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The device session for issue #23's two missed decode rows after 6b3112a, which cut the host
+# check every request makes before it decodes on the paged path (one walk of the language model)
+# from 8.1 to 1.2 ms on a CI CPU. The rows time a 64-token request, so that walk weighed on each
+# token; this measures it on the H200 host, the old walk beside the new in one process series.
+# Prepared without device time; calls back to back on one machine (it goes back after 30 s idle):
+#
+#   scripts/gpu/gate_session.sh prep  # here, before the calls: the walk as it was before 6b3112a
+#                                     # into .gpu-ab/ (git-ignored, carried with step a)
+#   scripts/gpu/gate_session.sh a     # carry .gpu-bundle and .gpu-ab. 0.26: decode at 2048
+#                                     # (bf16, FP8, FP8 + lm_head) with the new walk, the old,
+#                                     # the new again; each row records its gate's ms a request
+#   scripts/gpu/gate_session.sh b     # carry .gpu-bundle-2: unpacks it; the SenseNova-U1 FP8 and
+#                                     # paged-decode GPU tests on 0.26
+#   scripts/gpu/gate_session.sh c     # carry .gpu-bundle-3 and .gpu-ab: unpacks it; 0.30: decode at 8192,
+#                                     # 2048, 512 beside the in-tree path, then at 8192 with the
+#                                     # old walk (plugin rows only)
+set -uo pipefail
+what=${1:?usage: gate_session.sh prep|a|b|c}
+if [ "$what" = prep ]; then
+  cd "$(dirname "$0")/../.."
+  mkdir -p .gpu-ab
+  git show 6b3112a^:vllm_omni_graphdecode/eligibility.py >.gpu-ab/eligibility-before.py
+  exit 0
+fi
+source "$(dirname "$0")/session_common.sh"
+decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
+# Each step's results reach $OUT as it ends, so that a call cut by the tool's limit brings back
+# what finished.
+eval "$(declare -f stamp | sed '1s/stamp/stamp_one/')"
+stamp() { stamp_one "$1"; mkdir -p "$OUT/partial"; cp -r "$res" "$OUT/partial/" 2>/dev/null; }
+before_tree() {
+  # This tree with the walk as it was: the package from /tmp/before, everything else the same.
+  # Fails (and the old runs are skipped) without the carried .gpu-ab.
+  [ -f .gpu-ab/eligibility-before.py ] || { echo "no .gpu-ab carried" >>"$res/summary.txt"; return 1; }
+  rm -rf /tmp/before && mkdir -p /tmp/before && cp -r vllm_omni_graphdecode /tmp/before/ \
+    && cp .gpu-ab/eligibility-before.py /tmp/before/vllm_omni_graphdecode/eligibility.py
+}
+case "$what" in
+  a)
+    unpack
+    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
+    bench 150 decode-0.26-new-1 "$py26" "${decode[@]}" --contexts 2048
+    before_tree && bench 150 decode-0.26-old "/tmp/before:$py26" "${decode[@]}" --contexts 2048
+    bench 150 decode-0.26-new-2 "$py26" "${decode[@]}" --contexts 2048
+    ;;
+  b)
+    unpack
+    suite 240 sensenova-gpu-0.26 "tests/test_sensenova_fp8_gpu.py tests/test_sensenova_gpu.py" \
+      -q -rfE
+    ;;
+  c)
+    unpack
+    bench 420 decode-0.30-new "$py30" "${decode[@]}" --contexts 8192,2048,512
+    before_tree && bench 150 decode-0.30-old-8192 "/tmp/before:$py30" "${decode[@]}" \
+      --contexts 8192 --no-intree
+    ;;
+esac
+finish
