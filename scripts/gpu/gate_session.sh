@@ -12,11 +12,18 @@
 #                                     # the new again; each row records its gate's ms a request
 #   scripts/gpu/gate_session.sh b     # carry .gpu-bundle-2: unpacks it; the SenseNova-U1 FP8 and
 #                                     # paged-decode GPU tests on 0.26
+#   scripts/gpu/gate_session.sh d     # (a fresh machine) carry .gpu-bundle and .gpu-ab. 0.26:
+#                                     # one text request profiled with its phases named
+#                                     # (probes/text_request_timeline.py, the walk timed both
+#                                     # ways), then decode at 2048 with the new walk and the old,
+#                                     # alternating, the old swapped into this copy of the tree
+#                                     # (a and c's "old" runs did not run it: bench.py puts the
+#                                     # repository root first on sys.path)
 #   scripts/gpu/gate_session.sh c     # carry .gpu-bundle-3 and .gpu-ab: unpacks it; 0.30: decode at 8192,
 #                                     # 2048, 512 beside the in-tree path, then at 8192 with the
 #                                     # old walk (plugin rows only)
 set -uo pipefail
-what=${1:?usage: gate_session.sh prep|a|b|c}
+what=${1:?usage: gate_session.sh prep|a|b|c|d}
 if [ "$what" = prep ]; then
   cd "$(dirname "$0")/../.."
   mkdir -p .gpu-ab
@@ -36,7 +43,29 @@ before_tree() {
   rm -rf /tmp/before && mkdir -p /tmp/before && cp -r vllm_omni_graphdecode /tmp/before/ \
     && cp .gpu-ab/eligibility-before.py /tmp/before/vllm_omni_graphdecode/eligibility.py
 }
+walk() {  # walk old|now: this copy of the tree with that eligibility.py
+  [ -f /tmp/eligibility-now.py ] || cp vllm_omni_graphdecode/eligibility.py /tmp/eligibility-now.py
+  if [ "$1" = old ]; then
+    cp .gpu-ab/eligibility-before.py vllm_omni_graphdecode/eligibility.py
+  else
+    cp /tmp/eligibility-now.py vllm_omni_graphdecode/eligibility.py
+  fi
+}
 case "$what" in
+  d)
+    unpack
+    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
+    mkdir -p "$res/timeline-0.26"
+    PYTHONPATH=$py26 timeout 150 python3 benchmarks/probes/text_request_timeline.py \
+      --out "$res/timeline-0.26" --old-eligibility .gpu-ab/eligibility-before.py \
+      >/dev/null 2>"$res/timeline-0.26/log"
+    stamp timeline-0.26
+    for run in now-1 old-1 now-2 old-2; do
+      walk "${run%-*}"
+      bench 120 "decode-0.26-walk-$run" "$py26" "${decode[@]}" --contexts 2048
+    done
+    walk now
+    ;;
   a)
     unpack
     nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
