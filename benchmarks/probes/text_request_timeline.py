@@ -40,7 +40,8 @@ sys.path.insert(0, _BENCHMARKS)
 
 import profile_step  # noqa: E402
 from bench import sensenova_model  # noqa: E402
-from vllm_omni_graphdecode import ar_session, config, eligibility, paged_tiers, token_loop  # noqa: E402
+from vllm_omni_graphdecode import (  # noqa: E402
+    ar_session, config, eligibility, paged_tiers, token_loop)
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
 

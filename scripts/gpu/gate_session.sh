@@ -2,26 +2,29 @@
 # The device session for issue #23's two missed decode rows after 6b3112a, which cut the host
 # check every request makes before it decodes on the paged path (one walk of the language model)
 # from 8.1 to 1.2 ms on a CI CPU. The rows time a 64-token request, so that walk weighed on each
-# token; this measures it on the H200 host, the old walk beside the new in one process series.
+# token; this measures it on the H200 host, the old walk beside the new on one machine.
 # Prepared without device time; calls back to back on one machine (it goes back after 30 s idle):
 #
 #   scripts/gpu/gate_session.sh prep  # here, before the calls: the walk as it was before 6b3112a
-#                                     # into .gpu-ab/ (git-ignored, carried with step a)
+#                                     # into .gpu-ab/ (git-ignored, carried with a, c and d)
 #   scripts/gpu/gate_session.sh a     # carry .gpu-bundle and .gpu-ab. 0.26: decode at 2048
 #                                     # (bf16, FP8, FP8 + lm_head) with the new walk, the old,
 #                                     # the new again; each row records its gate's ms a request
 #   scripts/gpu/gate_session.sh b     # carry .gpu-bundle-2: unpacks it; the SenseNova-U1 FP8 and
 #                                     # paged-decode GPU tests on 0.26
+#   scripts/gpu/gate_session.sh c     # carry .gpu-bundle-3 and .gpu-ab: unpacks it; 0.30: decode
+#                                     # at 8192, 2048, 512 beside the in-tree path, then at 8192
+#                                     # with the old walk (plugin rows only)
 #   scripts/gpu/gate_session.sh d     # (a fresh machine) carry .gpu-bundle and .gpu-ab. 0.26:
 #                                     # one text request profiled with its phases named
 #                                     # (probes/text_request_timeline.py, the walk timed both
 #                                     # ways), then decode at 2048 with the new walk and the old,
-#                                     # alternating, the old swapped into this copy of the tree
-#                                     # (a and c's "old" runs did not run it: bench.py puts the
-#                                     # repository root first on sys.path)
-#   scripts/gpu/gate_session.sh c     # carry .gpu-bundle-3 and .gpu-ab: unpacks it; 0.30: decode at 8192,
-#                                     # 2048, 512 beside the in-tree path, then at 8192 with the
-#                                     # old walk (plugin rows only)
+#                                     # alternating
+#
+# The old walk is swapped into the machine's copy of the tree (`walk old`), not put first on
+# PYTHONPATH: bench.py puts the repository root first on sys.path itself. At c513408 steps a and c
+# did the latter, so their "old" runs (h200-2026-12-03b) ran the new walk, as their rows' gate
+# times show.
 set -uo pipefail
 what=${1:?usage: gate_session.sh prep|a|b|c|d}
 if [ "$what" = prep ]; then
@@ -36,41 +39,26 @@ decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 
 # what finished.
 eval "$(declare -f stamp | sed '1s/stamp/stamp_one/')"
 stamp() { stamp_one "$1"; mkdir -p "$OUT/partial"; cp -r "$res" "$OUT/partial/" 2>/dev/null; }
-before_tree() {
-  # This tree with the walk as it was: the package from /tmp/before, everything else the same.
-  # Fails (and the old runs are skipped) without the carried .gpu-ab.
-  [ -f .gpu-ab/eligibility-before.py ] || { echo "no .gpu-ab carried" >>"$res/summary.txt"; return 1; }
-  rm -rf /tmp/before && mkdir -p /tmp/before && cp -r vllm_omni_graphdecode /tmp/before/ \
-    && cp .gpu-ab/eligibility-before.py /tmp/before/vllm_omni_graphdecode/eligibility.py
-}
-walk() {  # walk old|now: this copy of the tree with that eligibility.py
+walk() {
+  # walk old|now: this copy of the tree with that eligibility.py. Fails (the caller skips its
+  # old run) without the carried .gpu-ab.
   [ -f /tmp/eligibility-now.py ] || cp vllm_omni_graphdecode/eligibility.py /tmp/eligibility-now.py
-  if [ "$1" = old ]; then
+  if [ "$1" = now ]; then
+    cp /tmp/eligibility-now.py vllm_omni_graphdecode/eligibility.py
+  elif [ -f .gpu-ab/eligibility-before.py ]; then
     cp .gpu-ab/eligibility-before.py vllm_omni_graphdecode/eligibility.py
   else
-    cp /tmp/eligibility-now.py vllm_omni_graphdecode/eligibility.py
+    echo "no .gpu-ab carried: no old walk" >>"$res/summary.txt"
+    return 1
   fi
 }
 case "$what" in
-  d)
-    unpack
-    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
-    mkdir -p "$res/timeline-0.26"
-    PYTHONPATH=$py26 timeout 150 python3 benchmarks/probes/text_request_timeline.py \
-      --out "$res/timeline-0.26" --old-eligibility .gpu-ab/eligibility-before.py \
-      >/dev/null 2>"$res/timeline-0.26/log"
-    stamp timeline-0.26
-    for run in now-1 old-1 now-2 old-2; do
-      walk "${run%-*}"
-      bench 120 "decode-0.26-walk-$run" "$py26" "${decode[@]}" --contexts 2048
-    done
-    walk now
-    ;;
   a)
     unpack
     nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
     bench 150 decode-0.26-new-1 "$py26" "${decode[@]}" --contexts 2048
-    before_tree && bench 150 decode-0.26-old "/tmp/before:$py26" "${decode[@]}" --contexts 2048
+    walk old && bench 150 decode-0.26-old "$py26" "${decode[@]}" --contexts 2048
+    walk now
     bench 150 decode-0.26-new-2 "$py26" "${decode[@]}" --contexts 2048
     ;;
   b)
@@ -81,8 +69,22 @@ case "$what" in
   c)
     unpack
     bench 420 decode-0.30-new "$py30" "${decode[@]}" --contexts 8192,2048,512
-    before_tree && bench 150 decode-0.30-old-8192 "/tmp/before:$py30" "${decode[@]}" \
-      --contexts 8192 --no-intree
+    walk old && bench 150 decode-0.30-old-8192 "$py30" "${decode[@]}" --contexts 8192 \
+      --no-intree
+    walk now
+    ;;
+  d)
+    unpack
+    nvidia-smi -L >"$res/gpu-uuid.txt" 2>&1
+    mkdir -p "$res/timeline-0.26"
+    PYTHONPATH=$py26 timeout 150 python3 benchmarks/probes/text_request_timeline.py \
+      --out "$res/timeline-0.26" --old-eligibility .gpu-ab/eligibility-before.py \
+      >/dev/null 2>"$res/timeline-0.26/log"
+    stamp timeline-0.26
+    for run in now-1 old-1 now-2 old-2; do
+      walk "${run%-*}" && bench 120 "decode-0.26-walk-$run" "$py26" "${decode[@]}" --contexts 2048
+    done
+    walk now
     ;;
 esac
 finish
