@@ -3,8 +3,8 @@ a compiler or a wrapper leaves on one nested module is reported with its place, 
 per-module check the walk starts with (``_quiet``) agrees with the full checks on every module.
 
 The walk runs once per request (``rules.verdict``), so it reads each module's instance dict
-instead of ``getattr`` (see ``eligibility._attr``); these tests pin that it still sees what the
-``getattr`` checks saw.
+and class before any ``getattr`` (see ``eligibility._quiet``); these tests pin that it still sees
+what the ``getattr`` checks see.
 """
 
 import pytest
@@ -84,7 +84,7 @@ FIELDS = ("offload", "hooks", "compiled", "lora", "sharded", "kv_cache_dtype")
 
 def _full_checks_find_something(module) -> bool:
     """What ``scan`` reports for ``module`` itself, through the detailed checks alone."""
-    dtype = eligibility._attr(module, "_kv_cache_dtype")
+    dtype = getattr(module, "_kv_cache_dtype", None)
     return bool(eligibility.module_hooks(module) or eligibility.compiled(module)
                 or eligibility.lora_wrapper(module) or eligibility.fsdp(module)
                 or dtype not in (None, "auto", "float"))
@@ -121,7 +121,7 @@ def test_a_wrapper_class_is_reported_at_its_place(what, attach, field, fragment)
 
 
 def test_a_class_level_value_counts_like_an_instance_one():
-    """``_attr`` falls back to the class, as ``getattr`` does: a module class that declares a
+    """The fast check reads the class too, as ``getattr`` does: a module class that declares a
     quantized K/V dtype for all its instances is reported."""
     lm = st.build_lm()
     mlp = lm.get_submodule(PLACE)
