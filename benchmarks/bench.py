@@ -69,6 +69,7 @@ from plot import plot  # noqa: E402
 from vllm_omni_graphdecode import config, kernels, stats  # noqa: E402
 from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
+from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring as sensenova_wiring  # noqa: E402
 
 SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,
                        intermediate=12288, vocab=151936)
@@ -228,8 +229,8 @@ def bench_sensenova(args, rows, env):
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             gate = _gate_ms(wiring)
             snap = stats.snapshot()
-            step = " + ".join((wiring.fusion.describe() if wiring.fusion else [])
-                              + (["one-kernel K/V write"] if wiring.kv_writer else [])) or "unfused"
+            step = " + ".join(sensenova_wiring.describe_step(wiring.fusion,
+                                                             wiring.kv_writer)) or "unfused"
             k = cfg.tokens_per_launch
             log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
                 f"step {step}, {k} tokens/launch ({summary}; {snap['counters']})")

@@ -197,6 +197,84 @@ def test_gpu_one_kernel_kv_write_equals_index_copy():
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+def test_gpu_rope_store_is_bit_identical_to_vllm_omnis_kernel_then_vllms_writer(gpu):
+    """The one-launch q/k norm + rope + K/V write (``rope_store``) against the two kernels it
+    replaces in the fused step, vllm-omni's ``triton_qk_norm_rope`` then vLLM's
+    ``reshape_and_cache_flash``: the query and both caches bit for bit, at the tiny model's
+    heads with its own norm weights and at SenseNova-U1's (32 q / 8 KV heads), one row and
+    three, slots at block edges."""
+    import importlib
+
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import rope_store
+
+    attn = gpu.lm.model.layers[0].self_attn
+    package = type(attn).__module__.rpartition(".")[0]
+    upstream = importlib.import_module(f"{package}.fused_rmsnorm_rope").triton_qk_norm_rope
+    writer = layer_ops.select_kv_writer("cuda")
+    assert isinstance(writer, layer_ops.KVWriter), writer.describe()
+    torch.manual_seed(0)
+    d = 128
+    own = tuple(w.detach() for w in fused_step._norm_weights(attn))
+    real = tuple(1 + 0.1 * torch.randn(d // 2, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(4))
+    for heads, kv_heads, weights in ((attn.num_heads, attn.num_kv_heads, own), (32, 8, real)):
+        for slots in ([15], [16, 517, 1023]):
+            rows = len(slots)
+            slot = torch.tensor(slots, device="cuda")
+            qkv = torch.randn(1, rows, (heads + 2 * kv_heads) * d, device="cuda",
+                              dtype=torch.bfloat16) * 2
+            tables = tuple((a.cos().bfloat16(), a.sin().bfloat16()) for a in
+                           (torch.randn(1, rows, n, device="cuda") * 50
+                            for n in (d // 2, d // 4, d // 4)))
+            k_cache = torch.randn(64, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn_like(k_cache)
+            k_ref, v_ref = k_cache.clone(), v_cache.clone()
+            query = rope_store.qk_norm_rope_store(qkv, heads, kv_heads, d, weights, tables, 1e-6,
+                                                  k_cache, v_cache, slot)
+            q, k, v = qkv.view(1, rows, -1, d).split([heads, kv_heads, kv_heads], dim=2)
+            (ct, st_), (ch, sh), (cw, sw) = tables
+            want_q, want_k = upstream(q, k, *weights, ct, st_, ch, sh, cw, sw, 1e-6)
+            writer(want_k[0].transpose(0, 1).contiguous(), v[0].contiguous(), k_ref, v_ref, slot)
+            assert torch.equal(query, want_q[0].transpose(0, 1)), (heads, slots)
+            assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), (heads, slots)
+
+
+def test_gpu_fused_step_with_rope_store_equals_the_two_kernel_step_bit_for_bit(gpu):
+    """The fused step as it runs (q/k rope + K/V write in one launch) against the same step
+    with vllm-omni's rope kernel and vLLM's writer, both paged on FA3 without graphs, fed the same
+    tokens for 150 steps across two bucket changes: the same logits and cache, bit for bit."""
+    layout = _fused_layout(gpu)
+    with_store = hook.Fusion.select(gpu.lm, layout, "cuda")
+    assert with_store.rope_store is not None, with_store.reasons
+    two_kernels = hook.Fusion.select(gpu.lm, layout, "cuda")
+    two_kernels.rope_store = None
+    if layout.rope_per_layer:
+        assert two_kernels.rope_kernel is not None, two_kernels.reasons
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, cache_a, t_idx = st.prefill(pipe, gpu.ids)
+    _, cache_b, _ = st.prefill(pipe, gpu.ids)
+    a = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
+                           fusion=with_store)
+    b = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
+                           fusion=two_kernels)
+    assert b.model.writer is not None
+    a.begin(cache_a)
+    b.begin(cache_b)
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(150):
+            la = a.step(token, t_idx + 1 + step).clone()
+            lb = b.step(token, t_idx + 1 + step)
+            assert torch.equal(la, lb), step
+            token = lb[:, -1].argmax(-1)
+    a.write_back(cache_a)
+    b.write_back(cache_b)
+    a.release()
+    b.release()
+    for x, y in zip(cache_a.layers, cache_b.layers):
+        assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
 @pytest.mark.parametrize("tuned", [False, True], ids=["fused", "tuned"])
 def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
     """Fused step (rope once, vllm's fused norms + SiLU; cuBLAS, or with ``tuned`` Inductor
@@ -209,13 +287,14 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
     layout = _fused_layout(gpu)
     fusion = hook.Fusion.select(gpu.lm, layout, "cuda", tuned_gemv=tuned)
     expected = ["rope once per step"] if layout.rope_per_layer else []
-    expected += ["fused norms + SiLU"] + (["Inductor GEMVs"] if tuned else [])
+    expected += ["q/k rope + K/V write in one launch", "fused norms + SiLU"]
+    expected += ["Inductor GEMVs"] if tuned else []
     assert fusion.describe() == expected, fusion.reasons
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
     _, cache_plain, _ = st.prefill(pipe, gpu.ids)
     fused = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
-                               fusion=fusion)  # and the one-kernel K/V write
+                               fusion=fusion)
     assert fused.model.writer is not None
     plain = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256), graphs=False,
                                fusion=None, kv_writer=None)

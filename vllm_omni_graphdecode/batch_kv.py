@@ -311,8 +311,18 @@ class BatchKV:
         else:
             _flat(self.k[layer_idx]).index_copy_(0, self.slot, k)
             _flat(self.v[layer_idx]).index_copy_(0, self.slot, v)
-        q = query[0].transpose(0, 1)
-        return self.attention(q.contiguous(), self.k[layer_idx], self.v[layer_idx],
+        return self.attend_stored(layer_idx, query[0].transpose(0, 1).contiguous(),
+                                  softmax_scale)
+
+    def store_target(self, layer_idx: int):
+        """``(k buffer, v buffer, slot)``: where this step's K/V go (each row at its ``slot``),
+        for a kernel that writes them itself before ``attend_stored``."""
+        return self.k[layer_idx], self.v[layer_idx], self.slot
+
+    def attend_stored(self, layer_idx: int, query, softmax_scale: float) -> torch.Tensor:
+        """``attend`` with this step's K/V already at each row's ``slot``: query ``(rows,
+        q_heads, head_dim)`` contiguous. Returns ``(rows, q_heads, head_dim)``."""
+        return self.attention(query, self.k[layer_idx], self.v[layer_idx],
                               table=self.table, seqused=self.seqused, scale=softmax_scale,
                               scratch=self.scratch)
 

@@ -240,17 +240,29 @@ class PagedKVCache:
             _flat(self.k[layer_idx]).index_copy_(0, self.slot, key[0, :, 0].unsqueeze(0))
             _flat(self.v[layer_idx]).index_copy_(0, self.slot, value[0, :, 0].unsqueeze(0))
         heads = query.shape[1]
-        q = query[0].transpose(0, 1).reshape(1, heads, self.head_dim)
+        return self.attend_stored(layer_idx, query[0].transpose(0, 1).reshape(1, heads,
+                                                                             self.head_dim),
+                                  softmax_scale)
+
+    def store_target(self, layer_idx: int):
+        """``(k buffer, v buffer, slot)``: where this step's K/V go, for a kernel that writes
+        them itself before ``attend_stored`` (the slot is read at replay, never baked in)."""
+        return self.k[layer_idx], self.v[layer_idx], self.slot
+
+    def attend_stored(self, layer_idx: int, query, softmax_scale: float) -> torch.Tensor:
+        """``attend`` with this step's K/V already at ``slot``: query ``(1, q_heads, head_dim)``.
+        Returns ``(1, q_heads, head_dim)``."""
         schedule = getattr(self.kernel, "schedule", None)
         extra = {}
         if schedule is not None:
             # FA3 plans its split of the keys from seqused_k in a kernel of its own before every
             # call; the plan is the same for every layer of a step, so it is made once.
             if self._schedule is None:
-                self._schedule = schedule(q, self.k[layer_idx], cu_seqlens_q=self.cu_seqlens_q,
+                self._schedule = schedule(query, self.k[layer_idx],
+                                          cu_seqlens_q=self.cu_seqlens_q,
                                           seqused_k=self.seqused, max_seqlen_k=self.bucket)
             extra["scheduler_metadata"] = self._schedule
-        return self.kernel(q, self.k[layer_idx], self.v[layer_idx],
+        return self.kernel(query, self.k[layer_idx], self.v[layer_idx],
                            cu_seqlens_q=self.cu_seqlens_q, seqused_k=self.seqused,
                            block_table=self.block_table(), max_seqlen_k=self.bucket,
                            softmax_scale=softmax_scale, **extra)

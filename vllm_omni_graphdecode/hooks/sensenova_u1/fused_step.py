@@ -37,7 +37,7 @@ import torch
 
 from ... import fp8, gemv, layer_ops
 from ...reasons import Reason
-from . import layouts, ops
+from . import layouts, ops, rope_store
 from .step import PAGED_KWARG
 
 UNFUSED = Reason("decode step unfused",
@@ -52,16 +52,21 @@ class Fusion:
     or None (the model's own norms and activation). ``reasons``: why a part is off.
     """
 
-    def __init__(self, rope_kernel=None, layer_ops_=None, reasons=(), gemv_=None):
+    def __init__(self, rope_kernel=None, layer_ops_=None, reasons=(), gemv_=None,
+                 rope_store_=None, tables_from_forward=False):
         self.rope_kernel = rope_kernel
         self.layer_ops = layer_ops_
         self.gemv = gemv_
+        # ``rope_store.qk_norm_rope_store`` (q/k norm + rope and the K/V write as one launch) or
+        # None; its rope tables come from the model's forward (0.30) or from ``step.rope``.
+        self.rope_store = rope_store_
+        self.tables_from_forward = tables_from_forward
         self.reasons = list(reasons)
 
     @property
     def active(self) -> bool:
         return (self.rope_kernel is not None or self.layer_ops is not None
-                or self.gemv is not None)
+                or self.gemv is not None or self.rope_store is not None)
 
     def linear(self, module, x):
         """``module``'s output for the step's one token: through the compiled GEMV when there
@@ -105,6 +110,12 @@ class Fusion:
             fusion.reasons.append(f"rope per layer: {rope}")
         else:
             fusion.rope_kernel = rope
+        store = _select_rope_store(language_model, layout, fusion, device, dtype)
+        if isinstance(store, Reason):
+            fusion.reasons.append(store.describe())
+        else:
+            fusion.rope_store = store
+            fusion.tables_from_forward = not layout.rope_per_layer
         why = _layers_not_fusable(language_model)
         ops = layer_ops.select_layer_ops(device, dtype) if why is None else None
         if why is not None:
@@ -127,6 +138,8 @@ class Fusion:
         parts = []
         if self.rope_kernel is not None:
             parts.append("rope once per step")
+        if self.rope_store is not None:
+            parts.append("q/k rope + K/V write in one launch")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
         if isinstance(self.gemv, fp8.Fp8Linears):
@@ -155,6 +168,24 @@ class Fusion:
             step.rope = _rope_tables(attn, hidden_states, indexes)
         return _project_and_rope_once(attn, hidden_states, step.rope, self.rope_kernel,
                                       self.projection(attn.qkv_proj))
+
+    def project_rope_store(self, attn, hidden_states, rope_input, step):
+        """The qkv projection, then q/k norm + rope with this step's K/V written at the
+        cache's slot in the same launch (``rope_store``); returns the query ``(rows, q_heads,
+        head_dim)`` for ``cache.attend_stored``. ``rope_input``: what the layout hands
+        ``_project_and_rope`` (``Layout.rope_input``): 0.30's forward's rope tables, or
+        0.24-0.28's indexes, from which the first layer of this step computes them for all."""
+        if self.tables_from_forward:
+            tables = rope_input
+        else:
+            if step.rope is None:
+                step.rope = _rope_tables(attn, hidden_states, rope_input)
+            tables = step.rope
+        qkv, _ = self.projection(attn.qkv_proj)(hidden_states)
+        k_cache, v_cache, slot = step.cache.store_target(attn.layer_idx)
+        return self.rope_store(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                               _norm_weights(attn), tables, attn.config.rms_norm_eps,
+                               k_cache, v_cache, slot)
 
 
 def fp8_linears(language_model, device, model: str, one_row: bool = False,
@@ -231,6 +262,69 @@ def _rope_once_kernel(language_model, kernel=None):
         return importlib.import_module(f"{package}.fused_rmsnorm_rope").triton_qk_norm_rope
     except (ImportError, AttributeError) as exc:
         return f"vllm-omni's fused qk-norm + rope kernel not importable ({exc!r})"
+
+
+def _norm_weights(attn):
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm_hw.weight, attn.k_norm_hw.weight
+
+
+def _select_rope_store(language_model, layout, fusion, device, dtype):
+    """``rope_store.qk_norm_rope_store`` when every attention layer fits its contract and it
+    agrees with the model's formula (``ops.qk_norm_rope``) on this device; else the Reason."""
+    if layout.rope_per_layer and fusion.rope_kernel is None:
+        return rope_store.NO_ROPE_STORE.because("the rope tables differ between layers")
+    attns = layouts.attention_modules(language_model)
+    first = attns[0]
+    why = rope_store.why_not(first.head_dim, dtype, dtype, device)
+    if why is not None:
+        return why
+    half = first.head_dim // 2
+    for attn in attns:
+        weights = _norm_weights(attn)
+        if (attn.q_size != attn.num_heads * attn.head_dim
+                or attn.kv_size != attn.num_kv_heads * attn.head_dim
+                or not isinstance(getattr(attn.config, "rms_norm_eps", None), float)
+                or any(not torch.is_tensor(w) or w.shape != (half,) for w in weights)):
+            return rope_store.NO_ROPE_STORE.because(
+                f"layer {attn.layer_idx}'s q/k norms or head sizes differ from the model's "
+                f"_project_and_rope contract")
+    try:
+        return _checked_rope_store(first, device, dtype)
+    except Exception as exc:
+        return rope_store.NO_ROPE_STORE.because(f"running it on {device}: {exc!r}"[:300])
+
+
+def _checked_rope_store(attn, device, dtype):
+    """The kernel, run once on random rows with ``attn``'s own norm weights against the
+    model's formula in plain torch (``ops.qk_norm_rope``, which rounds its rope in bf16 where
+    the kernel rounds once: within 2 bf16 units of the largest value), or the Reason."""
+    heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    rows = 2
+    qkv = torch.randn(1, rows, (heads + 2 * kv_heads) * d, generator=gen).to(device, dtype)
+    angles = [torch.randn(1, rows, n, generator=gen).to(device) for n in (d // 2, d // 4, d // 4)]
+    tables = tuple((a.cos().to(dtype), a.sin().to(dtype)) for a in angles)
+    k_cache = torch.zeros(2, 16, kv_heads, d, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slot = torch.tensor([3, 21], device=device)
+    eps = attn.config.rms_norm_eps
+    query = rope_store.qk_norm_rope_store(qkv, heads, kv_heads, d, _norm_weights(attn), tables,
+                                          eps, k_cache, v_cache, slot)
+    q, k, v = qkv.view(1, rows, -1, d).split([heads, kv_heads, kv_heads], dim=2)
+    want_q, want_k = ops.qk_norm_rope(q, k, *_norm_weights(attn), tables, eps, cast_chain=True)
+    got_k = k_cache.view(-1, kv_heads, d)[slot]
+    got_v = v_cache.view(-1, kv_heads, d)[slot]
+    scale = max(float(want_q.abs().max()), float(want_k.abs().max()), 1.0)
+    bad = [name for name, got, want in (("query", query, want_q[0]), ("key", got_k, want_k[0]))
+           if float((got.float() - want.float()).abs().max()) > 2 * 2.0 ** -7 * scale]
+    if not torch.equal(got_v, v[0]):
+        bad.append("value")
+    if int(torch.count_nonzero(k_cache)) != int(torch.count_nonzero(got_k)):
+        bad.append("key written outside its slot")
+    if bad:
+        return rope_store.NO_ROPE_STORE.because("disagrees with the model's formula: "
+                                                + ", ".join(bad))
+    return rope_store.qk_norm_rope_store
 
 
 def _rope_tables(attn, hidden_states, indexes):

@@ -161,6 +161,13 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
         # One query token attends to every valid cached key, so the mask (all zeros in 0.24-0.28,
         # None in 0.30) carries nothing and is not read.
         fusion = step.fusion
+        if fusion is not None and fusion.rope_store is not None:
+            # q/k norm + rope and the K/V write in one launch (fused_step.project_rope_store)
+            query = fusion.project_rope_store(attn, hidden_states,
+                                              layout.rope_input(indexes, kwargs), step)
+            out = step.cache.attend_stored(attn.layer_idx, query, attn.scaling)
+            out = out.reshape(*hidden_states.shape[:-1], -1)
+            return fusion.linear(attn.o_proj, out)
         if fusion is not None and fusion.rope_kernel is not None:
             query, key, value = fusion.project_and_rope(attn, hidden_states, indexes, step)
         else:

@@ -227,9 +227,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
             what += f"; requests run eagerly now: {refusal.key}"
     else:
         what = f"requests run eagerly: {kernel.key}"
-    parts = (fusion.describe() if fusion is not None else []) + (
-        ["one-kernel K/V write"] if writer is not None else [])
-    step_line = " + ".join(parts) or "the model's own"
+    step_line = " + ".join(describe_step(fusion, writer)) or "the model's own"
     buckets = ",".join(map(str, cfg.buckets))
     tail = paged_decode.tail_step(cfg.buckets)
     taken = ""
@@ -284,6 +282,15 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
         elif getattr(pipeline, IMAGE_ATTR, None) is not None:
             patches.set(pipeline, UNWIRE_ATTR, patches)
     return clause
+
+
+def describe_step(fusion, writer) -> list[str]:
+    """The decode step's parts as the load line names them: the fusion's, and vLLM's K/V
+    writer where the step writes K/V with it (not when its rope kernel writes them itself)."""
+    parts = fusion.describe() if fusion is not None else []
+    if writer is not None and getattr(fusion, "rope_store", None) is None:
+        parts.append("one-kernel K/V write")
+    return parts
 
 
 def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = False,
