@@ -23,7 +23,12 @@ before=b01698e
 if [ "$what" = prep ]; then
   cd "$(dirname "$0")/../.."
   mkdir -p .gpu-ab
-  git archive --format=tar.gz -o .gpu-ab/tree-before.tgz "$before"
+  # The package and the benchmark scripts only: the call that carries this carries the 49 MiB
+  # bundle beside the 13 MiB tree, under the tool's 64 MiB.
+  rm -f .gpu-ab/tree-before.tgz
+  git archive --format=tar.gz -o .gpu-ab/tree-before.tgz "$before" vllm_omni_graphdecode \
+    benchmarks/bench.py benchmarks/common.py benchmarks/profile_step.py benchmarks/qwen_step.py \
+    benchmarks/plot.py
   exit 0
 fi
 source "$(dirname "$0")/session_common.sh"
