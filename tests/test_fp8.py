@@ -133,6 +133,34 @@ assert float((fused.float() - three.float()).abs().max()) <= 2.0 ** -7 * scale *
 assert float((fused.float() - want.float()).abs().max()) <= 2.0 ** -7 * scale * 2, "reference"
 assert torch.equal(copy.mlp_tail(gate_up[:, 1:2], residual[:, 1:2]), fused[:, 1:2])
 
+# A SwiGLU gate-up copy pairs each gate row with its up row: a plain call gives the plain
+# copy's bits in the model's [gate; up] order, ``swiglu`` gives silu(gate) * up in one launch
+# with the bits the down launch's own SiLU (``mlp_tail``) computes, and ``add_to`` then equals
+# ``mlp_tail`` of the plain output. N not a multiple of the block: no pairing, plain order.
+k_in, inter, n_out = 96, 64, 48
+gu_w = (torch.randn(2 * inter, k_in, generator=g) * 0.05).bfloat16()
+down_w = (torch.randn(n_out, inter, generator=g) * 0.05).bfloat16()
+plain_gu = fp8_gemv.Fp8GemvWeight(gu_w, config=fp8_gemv.KernelConfig(16, 32, 4))
+paired_gu = fp8_gemv.Fp8GemvWeight(gu_w, config=fp8_gemv.KernelConfig(16, 32, 4), swiglu=True)
+down = fp8_gemv.Fp8GemvWeight(down_w, config=fp8_gemv.KernelConfig(8, 32, 4))
+assert paired_gu.pairs is not None and paired_gu.pairs[:4].tolist() == [0, inter, 1, inter + 1]
+x = torch.randn(3, k_in, generator=g).bfloat16()
+residual = torch.randn(3, n_out, generator=g).bfloat16()
+assert torch.equal(paired_gu(x), plain_gu(x))
+act = paired_gu.swiglu(x)
+assert act.shape == (3, inter)
+assert torch.equal(down.add_to(act, residual), down.mlp_tail(plain_gu(x), residual))
+gate, up = plain_gu(x).float().chunk(2, dim=-1)
+assert torch.allclose(act.float(), gate * torch.sigmoid(gate) * up, rtol=2.0 ** -6, atol=1e-3)
+odd = fp8_gemv.Fp8GemvWeight(gu_w[:72], config=fp8_gemv.KernelConfig(16, 32, 4), swiglu=True)
+assert odd.pairs is None
+with torch.no_grad():  # a refresh keeps the pairing
+    gu_w.mul_(0.5)
+paired_gu.refresh(gu_w, None)
+plain_gu.refresh(gu_w, None)
+assert torch.equal(paired_gu(x), plain_gu(x))
+assert torch.equal(down.add_to(paired_gu.swiglu(x), residual), down.mlp_tail(plain_gu(x), residual))
+
 # refresh quantises into the same tensors (graphs captured with them keep their addresses).
 w = (torch.randn(64, 512, generator=g) * 0.02).bfloat16()
 copy = fp8_gemv.Fp8GemvWeight(w)

@@ -189,6 +189,39 @@ def test_gpu_fp8_step_equals_the_bf16_step_on_the_dequantised_weights_within_its
     assert rounding > kernel, "the FP8 step computed the original weights: copies not used"
 
 
+def test_gpu_fp8_swiglu_launch_equals_the_gate_up_then_mlp_tail_step_bit_for_bit(gpu):
+    """The one-row FP8 step as it runs (the gate-up launch ends in silu(gate) * up, the down
+    launch adds the residual: ``Fp8Linears.swiglu_mlp``) against the same copies run as before
+    (gate-up, then the down launch computing the SiLU in every program: ``mlp_tail``), paged
+    on FA3 without graphs, fed the same tokens for 150 steps: the same logits, bit for bit."""
+    if fp8_gemv.available("cuda") is not None:
+        pytest.skip(fp8_gemv.available("cuda").describe())
+    layout = _fused_layout(gpu)
+    lm = _build_lm(gpu.tok)
+    linears, why = fused_step.fp8_linears(lm, "cuda", MODEL, one_row=True)
+    assert linears is not None and why == [], why
+    assert "SiLU-and-multiply in the gate-up launch" in linears.describe()
+    paired = hook.Fusion.select(lm, layout, "cuda", linears=linears)
+    unpaired = hook.Fusion.select(lm, layout, "cuda", linears=linears)
+    unpaired.swiglu_mlp = lambda mlp, x, residual: None  # the gate-up launch, then mlp_tail
+    pipe = st.build_pipeline(lm, gpu.tok, device="cuda")
+    decoders = []
+    for fusion in (paired, unpaired):
+        out, cache, t_idx = st.prefill(pipe, gpu.ids)
+        decoders.append(hook.paged_decoder(lm, kernel=gpu.kernel, buckets=(64, 128, 256),
+                                           graphs=False, fusion=fusion))
+        decoders[-1].begin(cache)
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(150):
+            a = decoders[0].step(token, t_idx + 1 + step).clone()
+            b = decoders[1].step(token, t_idx + 1 + step)
+            assert torch.equal(a, b), step
+            token = b[:, -1].argmax(-1)
+    for decoder in decoders:
+        decoder.release()
+
+
 def test_gpu_fp8_graph_replay_equals_the_fp8_eager_step_token_for_token(gpu):
     """The one-request step (the one-row GEMV where the GPU runs it) replayed from graphs equals
     itself run eagerly."""

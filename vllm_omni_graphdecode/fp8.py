@@ -317,6 +317,9 @@ class Fp8Linears:
                 self.gemv, self._make = True, fp8_gemv.Fp8GemvWeight
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
+        # SwiGLU gate-up layers: with the one-row GEMV their copies pair gate and up rows, so
+        # that the gate-up launch ends in silu(gate) * up (``swiglu_mlp``).
+        self._gate_up: weakref.WeakSet = weakref.WeakSet()
         self._head = None  # (weakref to the lm_head, the rows it keeps) once ``quantize_head``
         self._head_copy = None
 
@@ -363,15 +366,23 @@ class Fp8Linears:
         return self._head_copy(hidden_states)
 
     def quantize(self, modules) -> list[str]:
-        """Make the copies of ``modules`` (name -> layer); returns why each one left is kept."""
+        """Make the copies of ``modules`` (name -> layer); returns why each one left is kept.
+        A name ending in ``gate_up_proj`` is a SwiGLU MLP's [gate; up] projection."""
         kept = []
         for name, module in modules.items():
             if gemv.Gemv.plain(module):
-                self._copies[module] = self._make(module.weight, module.bias)
+                if self.gemv and name.endswith("gate_up_proj"):
+                    self._gate_up.add(module)
+                self._copies[module] = self._made(module)
                 self._covered.add(module)
             else:
                 kept.append(name)
         return kept
+
+    def _made(self, module):
+        if module in self._gate_up:
+            return self._make(module.weight, module.bias, swiglu=True)
+        return self._make(module.weight, module.bias)
 
     def release(self) -> None:
         """Drop every copy (sleep level 2, with the graphs that read them): each is made again
@@ -388,6 +399,8 @@ class Fp8Linears:
     def describe(self) -> str:
         """The load line's clause for these copies."""
         kernel = "the plugin's one-row FP8 GEMV" if self.gemv else "vLLM Marlin"
+        if self.gemv and len(self._gate_up):
+            kernel += ", SiLU-and-multiply in the gate-up launch"
         head = " and lm_head" if self._head is not None else ""
         return (f"FP8 weights for {len(self)} linear layers{head} ({self.nbytes / 1e9:.2f} GB "
                 f"beside the bf16 ones; {kernel})")
@@ -401,7 +414,7 @@ class Fp8Linears:
             return None
         copy = self._copies.get(base)
         if copy is None:  # released since
-            copy = self._copies[base] = self._make(base.weight, base.bias)
+            copy = self._copies[base] = self._made(base)
         elif copy.stale(base.weight, base.bias):
             copy.refresh(base.weight, base.bias)
         return copy
@@ -413,6 +426,20 @@ class Fp8Linears:
                 f"{type(module).__name__} (LoRA adapter active, quantised, hooked or not copied)"))
             return module(x)[0]
         return copy(x)
+
+    def swiglu_mlp(self, gate_up_module, down_module, x, residual):
+        """``residual + down(silu(gate) * up)`` of ``x`` in two launches of the one-row GEMV:
+        the gate-up one ends in silu(gate) * up (its copy pairs the rows), the down one adds
+        the residual. The same roundings as the gate-up launch then ``mlp_tail``, without the
+        down launch recomputing the SiLU in every program. None where either layer has no
+        such copy (the caller runs them one by one)."""
+        if not self.gemv:
+            return None
+        up = self._copy_for(gate_up_module)
+        down = self._copy_for(down_module)
+        if up is None or down is None or getattr(up, "pairs", None) is None:
+            return None
+        return down.add_to(up.swiglu(x), residual)
 
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one launch of the one-row GEMV; None

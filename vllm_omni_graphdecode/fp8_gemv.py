@@ -114,12 +114,21 @@ class Fp8GemvWeight:
     interface as ``fp8.Fp8Weight`` (``stale``, ``refresh``, ``nbytes``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: KernelConfig | None = None):
+                 config: KernelConfig | None = None, *, swiglu: bool = False):
         self.n, self.k = weight.shape
-        self.w8, self.scale = fp8.quantize_rows(weight.detach())
-        self.bias = None if bias is None else bias.detach().clone()
         self.config = config or config_for(self.n, self.k)
+        # ``swiglu``: a SwiGLU gate-up layer ([gate; up]) whose copy keeps each gate row beside
+        # its up row, so that one launch ends in silu(gate) * up (``swiglu``); the model's order
+        # is restored for a plain call. Only where the pairs fill whole blocks.
+        self.pairs = (pair_rows(self.n, weight.device)
+                      if swiglu and self.n % self.config.block_n == 0
+                      and self.config.block_n % 2 == 0 else None)
+        self.w8, self.scale = fp8.quantize_rows(self._ordered(weight.detach()))
+        self.bias = None if bias is None else self._ordered(bias.detach()).clone()
         self._source = fp8.version_of(weight), fp8.version_of(bias)
+
+    def _ordered(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.pairs is None else t[self.pairs]
 
     def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the layer's weight or bias was replaced or written since this copy."""
@@ -129,11 +138,11 @@ class Fp8GemvWeight:
         """Quantise ``weight`` again into this copy's own tensors (graphs captured with them
         keep valid addresses)."""
         with torch.no_grad():
-            w8, scale = fp8.quantize_rows(weight.detach())
+            w8, scale = fp8.quantize_rows(self._ordered(weight.detach()))
             self.w8.copy_(w8)
             self.scale.copy_(scale)
             if self.bias is not None and bias is not None:
-                self.bias.copy_(bias)
+                self.bias.copy_(self._ordered(bias))
         self._source = fp8.version_of(weight), fp8.version_of(bias)
 
     @property
@@ -142,7 +151,22 @@ class Fp8GemvWeight:
                    for t in (self.w8, self.scale, self.bias) if t is not None)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return gemv(x, self.w8, self.scale, self.bias, self.config, out)
+        y = gemv(x, self.w8, self.scale, self.bias, self.config, None if self.pairs is not None
+                 else out)
+        if self.pairs is None:
+            return y
+        y = torch.cat((y[..., 0::2], y[..., 1::2]), dim=-1)  # back to [gate; up]
+        return y if out is None else out.view_as(y).copy_(y)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this gate-up layer's output, rounded as vLLM's
+        ``silu_and_mul`` rounds it, [..., N / 2], as one launch (``pairs`` only)."""
+        return gemv(x, self.w8, self.scale, self.bias, self.config, swiglu_out=True)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` as one launch (the product rounded first, as the model
+        adds)."""
+        return gemv(x, self.w8, self.scale, self.bias, self.config, residual=residual)
 
     def mlp_tail(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate_up`` [..., 2K] as one launch: the
@@ -153,14 +177,18 @@ class Fp8GemvWeight:
 
 def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
-         silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual.
+         silu_mul: bool = False, residual: torch.Tensor | None = None,
+         swiglu_out: bool = False) -> torch.Tensor:
+    """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual,
+    or (``swiglu_out``) a SwiGLU output.
 
     x: [..., K] bf16 or fp16 (rows with unit stride); with ``silu_mul`` [..., 2K], gate then up,
     and the input is ``silu(gate) * up`` rounded to x's dtype (as vLLM's ``silu_and_mul`` gives
     it). w8: [N, K] float8_e4m3fn, row-major; scale: [N] float32; bias: [N] or None; residual:
     [..., N] or None, added to the product rounded to x's dtype (as ``residual + out`` adds).
-    Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
+    With ``swiglu_out`` the rows of ``w8`` are (gate, up) pairs (``pair_rows``) and the result
+    is ``silu(gate) * up`` of the rounded product, [..., N / 2] (no residual; N a multiple of
+    the block). Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -172,9 +200,13 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         res = residual.reshape(m, n)
         if res.stride(-1) != 1:
             res = res.contiguous()
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = config or config_for(n, k)
+    width_out = n // 2 if swiglu_out else n
+    if swiglu_out and (res is not None or n % cfg.block_n or cfg.block_n % 2):
+        raise ValueError(f"swiglu_out: N {n} in blocks of {cfg.block_n}, residual "
+                         f"{res is not None}: want even blocks dividing N and no residual")
+    if out is None:
+        out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
     grid = (-(-n // cfg.block_n), m)  # ceil: no per-call import on the eager path
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
@@ -182,9 +214,16 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         out.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWIGLU_OUT=swiglu_out,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], width_out)
+
+
+def pair_rows(n: int, device=None) -> torch.Tensor:
+    """The row order of a SwiGLU gate-up weight ([gate; up], N rows) with each gate row
+    followed by its up row: index ``2j`` is row ``j``, ``2j + 1`` is row ``N / 2 + j``."""
+    half = torch.arange(n // 2, device=device)
+    return torch.stack((half, half + n // 2), dim=1).reshape(-1)
 
 
 def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
@@ -219,7 +258,8 @@ def _kernel():
     def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
                  stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
                  SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SWIGLU_OUT: tl.constexpr = False):
         # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
         # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
         # are summed once at the end, so a row's order depends on the block sizes only.
@@ -258,10 +298,18 @@ def _kernel():
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out = out.to(out_ptr.dtype.element_ty)
-        if HAS_RESIDUAL:  # residual + out as two bf16 tensors add: one more rounding
-            res = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_mask, other=0.0)
-            out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
+        if SWIGLU_OUT:
+            # Rows come in (gate, up) pairs (``pair_rows``): each pair's outputs, rounded as
+            # stored, become silu(gate) * up as the down kernel's SILU_MUL computes it.
+            gate, up = tl.split(tl.reshape(out.to(tl.float32), (BLOCK_N // 2, 2)))
+            act = (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * stride_om + pid_n * (BLOCK_N // 2)
+                     + tl.arange(0, BLOCK_N // 2), act)
+        else:
+            if HAS_RESIDUAL:  # residual + out as two bf16 tensors add: one more rounding
+                res = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_mask, other=0.0)
+                out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
 
     _KERNEL = fp8_gemv
     return fp8_gemv

@@ -75,6 +75,12 @@ class Fusion:
             return self.gemv(module, x)
         return module(x)[0]
 
+    def swiglu_mlp(self, mlp, x, residual):
+        """``residual + mlp(x)`` in two launches where the FP8 one-row GEMV serves both of its
+        layers (``fp8.Fp8Linears.swiglu_mlp``), else None (the caller runs its steps)."""
+        fn = getattr(self.gemv, "swiglu_mlp", None)
+        return None if fn is None else fn(mlp.gate_up_proj, mlp.down_proj, x, residual)
+
     def mlp_tail(self, down_proj, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one compiled kernel (``gemv.Gemv``), or
         None where that does not apply (the caller runs the three steps)."""
@@ -389,6 +395,9 @@ def _fused_layer_forward_und(layer, original):
         # hidden_states <- hidden_states + x (the residual stream), x <- its post-attention norm.
         # hidden_states is this step's own tensor: the embedding or the previous layer's output.
         ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
+        fused = step.fusion.swiglu_mlp(mlp, x, hidden_states)
+        if fused is not None:
+            return fused
         gate_up = step.fusion.linear(mlp.gate_up_proj, x)
         fused = step.fusion.mlp_tail(mlp.down_proj, gate_up, hidden_states)
         if fused is not None:
