@@ -14,7 +14,11 @@ one bf16 rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in
 (``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``); the decode step 4.01 ms a token on
 vllm-omni 0.26 (Marlin 5.06) and 4.16 on 0.30 (Marlin 5.21). ``Fp8GemvWeight.mlp_tail`` runs a
 SwiGLU MLP's SiLU-and-multiply, down projection and residual add as one launch (a gain within
-noise). Tried and reverted twice: the residual add, the RMSNorm and the SiLU-and-multiply folded
+noise: every down program recomputed the SiLU of the whole row, 16.9 us a call against 14.9
+plain in the profile). A gate-up copy made with ``swiglu`` keeps each gate row beside its up row,
+so its own launch ends in silu(gate) * up (``Fp8GemvWeight.swiglu``, the kernel's SWIGLU_OUT) and
+the down launch reads that row plainly (``add_to``): the same roundings, each SiLU computed
+once. Tried and reverted twice: the residual add, the RMSNorm and the SiLU-and-multiply folded
 into the gate-up launch (d30fc3f: each program read and reduced the whole row before streaming its
 weights; the step did not move), then with the squares summed inside the weight loop and the
 input RMSNorm folded into qkv too (d521024, ``benchmarks/results/h200-2026-12-01i``): gate-up
