@@ -295,7 +295,8 @@ def _select_rope_store(language_model, layout, fusion, device, dtype):
                 f"layer {attn.layer_idx}'s q/k norms or head sizes differ from the model's "
                 f"_project_and_rope contract")
     try:
-        return _checked_rope_store(first, device, dtype)
+        with torch.inference_mode():
+            return _checked_rope_store(first, device, dtype)
     except Exception as exc:
         return rope_store.NO_ROPE_STORE.because(f"running it on {device}: {exc!r}"[:300])
 
