@@ -29,8 +29,8 @@ from vllm_omni_graphdecode.testing import random_models as st
 from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (shared request builders)
 from test_sensenova_batch_gpu import _mixed, _pipeline
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
-from test_sensenova_gpu import (MODEL, _build_lm, _cfg, _fused_layout, _pipe,  # noqa: F401
-                                _state, _think, gpu)
+from test_sensenova_gpu import (MODEL, _assert_same_steps, _build_lm, _cfg,  # noqa: F401
+                                _fused_layout, _pipe, _state, _think, gpu)
 
 pytestmark = pytest.mark.gpu
 
@@ -211,13 +211,7 @@ def test_gpu_fp8_swiglu_launch_equals_the_gate_up_then_mlp_tail_step_bit_for_bit
         decoders.append(hook.paged_decoder(lm, kernel=gpu.kernel, buckets=(64, 128, 256),
                                            graphs=False, fusion=fusion))
         decoders[-1].begin(cache)
-    token = out.logits[:, -1].argmax(-1)
-    with torch.inference_mode():
-        for step in range(150):
-            a = decoders[0].step(token, t_idx + 1 + step).clone()
-            b = decoders[1].step(token, t_idx + 1 + step)
-            assert torch.equal(a, b), step
-            token = b[:, -1].argmax(-1)
+    _assert_same_steps(*decoders, out, t_idx, 150)
     for decoder in decoders:
         decoder.release()
 

@@ -127,6 +127,18 @@ def test_gpu_paged_kernel_matches_reference_attention(gpu, dim, used):
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+def _assert_same_steps(a, b, out, t_idx: int, steps: int) -> None:
+    """Feed two begun paged decoders the same tokens (``b``'s greedy choice, from the prefill's
+    ``out``) for ``steps`` steps: their logits must be equal, bit for bit."""
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(steps):
+            la = a.step(token, t_idx + 1 + step).clone()
+            lb = b.step(token, t_idx + 1 + step)
+            assert torch.equal(la, lb), f"step {step}: max diff {(la - lb).abs().max().item()}"
+            token = lb[:, -1].argmax(-1)
+
+
 def _fused_layout(gpu):
     layout = hook.detect_layout(gpu.lm)
     if not layout.fused_step:
@@ -260,13 +272,7 @@ def test_gpu_fused_step_with_rope_store_equals_the_two_kernel_step_bit_for_bit(g
     assert b.model.writer is not None
     a.begin(cache_a)
     b.begin(cache_b)
-    token = out.logits[:, -1].argmax(-1)
-    with torch.inference_mode():
-        for step in range(150):
-            la = a.step(token, t_idx + 1 + step).clone()
-            lb = b.step(token, t_idx + 1 + step)
-            assert torch.equal(la, lb), step
-            token = lb[:, -1].argmax(-1)
+    _assert_same_steps(a, b, out, t_idx, 150)
     a.write_back(cache_a)
     b.write_back(cache_b)
     a.release()
@@ -727,13 +733,7 @@ def test_gpu_fa3_schedule_once_per_step_equals_planning_in_every_call(gpu):
     every = hook.paged_decoder(gpu.lm, kernel=per_call, buckets=(64, 128, 256, 512))
     once.begin(cache_a)
     every.begin(cache_b)
-    token = out.logits[:, -1].argmax(-1)
-    with torch.inference_mode():
-        for step in range(300):
-            a = once.step(token, t_idx + 1 + step).clone()
-            b = every.step(token, t_idx + 1 + step)
-            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item()}"
-            token = b[:, -1].argmax(-1)
+    _assert_same_steps(once, every, out, t_idx, 300)
     once.release()
     every.release()
 

@@ -64,7 +64,8 @@ for heads, kv_heads, d, rows, slots in [(4, 2, 64, 3, [5, 16, 127]), (2, 1, 128,
         q, k, weights, tables = inputs
         (ct, st), (ch, sh), (cw, sw) = tables
         up_q, up_k = upstream(q, k, *weights, ct, st, ch, sh, cw, sw, 1e-6)
-        assert torch.equal(query, up_q[0].transpose(0, 1)) and torch.equal(key, up_k[0].transpose(0, 1))
+        assert torch.equal(query, up_q[0].transpose(0, 1))
+        assert torch.equal(key, up_k[0].transpose(0, 1))
 
 # bf16: within 4 bf16 units of each value's size (the interpreter truncates at the three
 # roundings where the GPU rounds to nearest; the formula rounds its rope products in bf16).
@@ -77,14 +78,18 @@ for got, want in ((query, want_q), (key, want_k)):
 g = torch.Generator().manual_seed(3)
 qkv = torch.randn(1, 3, 8 * 64, generator=g)
 w = [1 + 0.1 * torch.randn(32, generator=g) for _ in range(4)]
-tables = tuple((a.cos(), a.sin()) for a in (torch.randn(1, 3, n, generator=g) for n in (32, 16, 16)))
+angles = [torch.randn(1, 3, n, generator=g) for n in (32, 16, 16)]
+tables = tuple((a.cos(), a.sin()) for a in angles)
 kc = torch.zeros(4, 16, 2, 64)
 vc = torch.zeros_like(kc)
-three = rope_store.qk_norm_rope_store(qkv, 4, 2, 64, w, tables, 1e-6, kc, vc, torch.tensor([2, 3, 4]))
+three = rope_store.qk_norm_rope_store(qkv, 4, 2, 64, w, tables, 1e-6, kc, vc,
+                                      torch.tensor([2, 3, 4]))
 one_tables = tuple((c[:, 1:2], s[:, 1:2]) for c, s in tables)
 kc1 = torch.zeros_like(kc)
-one = rope_store.qk_norm_rope_store(qkv[:, 1:2], 4, 2, 64, w, one_tables, 1e-6, kc1, torch.zeros_like(kc), torch.tensor([3]))
-assert torch.equal(one[0], three[1]) and torch.equal(kc1.view(-1, 2, 64)[3], kc.view(-1, 2, 64)[3])
+one = rope_store.qk_norm_rope_store(qkv[:, 1:2], 4, 2, 64, w, one_tables, 1e-6, kc1,
+                                    torch.zeros_like(kc), torch.tensor([3]))
+assert torch.equal(one[0], three[1])
+assert torch.equal(kc1.view(-1, 2, 64)[3], kc.view(-1, 2, 64)[3])
 print("ok" if upstream is not None else "ok (vllm-omni's kernel not installed)")
 """
 
@@ -157,9 +162,10 @@ with torch.inference_mode():
 for dec, cache in zip(decoders, (cache_store, cache_plain)):
     dec.write_back(cache)
     dec.release()
-cache_diff = max(max(float((x.keys - y.keys).abs().max()), float((x.values - y.values).abs().max()))
+cache_diff = max(max(float((x.keys - y.keys).abs().max()),
+                     float((x.values - y.values).abs().max()))
                  for x, y in zip(cache_store.layers, cache_plain.layers))
-lengths = {x.keys.shape[2] for x in cache_store.layers} | {y.keys.shape[2] for y in cache_plain.layers}
+lengths = {x.keys.shape[2] for c in (cache_store, cache_plain) for x in c.layers}
 # fp32: the two steps differ in the order of the q/k norms' fp32 sums only.
 assert worst < 1e-5 and cache_diff < 1e-5 and lengths == {36}, (worst, cache_diff, lengths)
 print("ok", layout.name)

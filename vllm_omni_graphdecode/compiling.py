@@ -32,6 +32,21 @@ COMPILE_FAILED = Reason("torch.compile of the fast step body failed",
                         "report the logged error; the exact step runs for this shape")
 
 
+
+def triton_kernel(define: Callable) -> Callable:
+    """For a hand-written Triton kernel: ``define(triton, tl)`` returns the ``@triton.jit``
+    function. Returns a function that imports Triton and defines the kernel at its first call,
+    then hands out that kernel: the module holding it imports without Triton, and
+    ``TRITON_INTERPRET=1`` set before that first call runs it on CPU tensors."""
+    @functools.cache
+    def kernel():
+        import triton
+        import triton.language as tl
+
+        return define(triton, tl)
+
+    return kernel
+
 # Inductor's options for every fast body. ``emulate_precision_casts``: a fused kernel rounds to
 # bf16 where eager materialises a bf16 tensor. ``deterministic``: each reduction's configuration
 # (block sizes, warps: its sum order) fixed by Inductor's heuristics, never picked by timing at the

@@ -56,6 +56,7 @@ import dataclasses
 import torch
 
 from . import fp8
+from .compiling import triton_kernel
 from .reasons import Reason
 
 
@@ -247,17 +248,8 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-_KERNEL = None
-
-
-def _kernel():
-    """The Triton kernel, defined on first use (importing this module needs no Triton)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-
+def _define(triton, tl):
+    """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
     @triton.jit
     def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
                  stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
@@ -315,5 +307,7 @@ def _kernel():
                 out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
 
-    _KERNEL = fp8_gemv
     return fp8_gemv
+
+
+_kernel = triton_kernel(_define)

@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from common import capture_graph, environment, time_ms  # noqa: E402
 
 from vllm_omni_graphdecode import fp8, fp8_gemv  # noqa: E402
+from vllm_omni_graphdecode.compiling import triton_kernel  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936
 SHAPES = {
@@ -140,17 +141,8 @@ def triton_linear(x: torch.Tensor, weight: TritonWeight, out: torch.Tensor | Non
     return out.reshape(*x.shape[:-1], n)
 
 
-_KERNEL = None
-
-
-def _kernel():
-    """The Triton kernel, defined on first use (importing this module needs no Triton)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-
+def _define(triton, tl):
+    """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
     @triton.jit
     def w8a16_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, K, stride_xm, stride_wn,
                    stride_om, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
@@ -179,8 +171,10 @@ def _kernel():
         out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :])
 
-    _KERNEL = w8a16_gemv
-    return _KERNEL
+    return w8a16_gemv
+
+
+_kernel = triton_kernel(_define)
 
 
 

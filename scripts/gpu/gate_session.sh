@@ -35,10 +35,6 @@ if [ "$what" = prep ]; then
 fi
 source "$(dirname "$0")/session_common.sh"
 decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
-# Each step's results reach $OUT as it ends, so that a call cut by the tool's limit brings back
-# what finished.
-eval "$(declare -f stamp | sed '1s/stamp/stamp_one/')"
-stamp() { stamp_one "$1"; mkdir -p "$OUT/partial"; cp -r "$res" "$OUT/partial/" 2>/dev/null; }
 walk() {
   # walk old|now: this copy of the tree with that eligibility.py. Fails (the caller skips its
   # old run) without the carried .gpu-ab.

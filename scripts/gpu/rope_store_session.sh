@@ -39,10 +39,6 @@ if [ "$what" = prep ]; then
 fi
 source "$(dirname "$0")/session_common.sh"
 decode=(--cases sensenova_decode --fa 3 --tokens-per-launch "" --no-exact --fp8 --fp8-lm-head)
-# Each step's results reach $OUT as it ends, so that a call cut by the tool's limit brings back
-# what finished.
-eval "$(declare -f stamp | sed '1s/stamp/stamp_one/')"
-stamp() { stamp_one "$1"; mkdir -p "$OUT/partial"; cp -r "$res" "$OUT/partial/" 2>/dev/null; }
 old() {
   # old TAG LIMIT DIR PYTHONPATH-AFTER-THE-TREE [bench.py args...]: bench.py of an older tree
   local tag=$1 limit=$2 dir=$3 rest=$4; shift 4

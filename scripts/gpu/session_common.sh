@@ -12,7 +12,8 @@
 #   reap                                     what a cut engine or serving test left running
 #                                            (after each suite; GRAPHDECODE_REAP=0: not, for
 #                                            suites run side by side)
-#   stamp NAME                               NAME's exit status and the time, in summary.txt
+#   stamp NAME                               NAME's exit status and the time, in summary.txt;
+#                                            what is done so far packed into $OUT
 # and the two stacks' PYTHONPATHs, py26 and py30. A step packs $res into $OUT at its end
 # (`finish`). The session scripts written before fold_session.sh carry the same lines inline.
 : "${OUT:?set by the device tool: the folder whose files come back}"
@@ -24,7 +25,14 @@ export VLLM_TARGET_DEVICE=cuda CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
 nvidia-smi >"$res/nvidia-smi.txt" 2>&1
 py26="$here:/tmp/site-project:/tmp/site"
 py30="$here:/tmp/site-project:/tmp/site-omni-0.30.0:/tmp/site"
-stamp() { echo "$1: exit $? ($(date +%T))" >>"$res/summary.txt"; }
+stamp() {
+  # NAME's exit status, then everything so far packed into $OUT: a call cut by the tool's limit
+  # still brings back each step that finished (one file; folders under $OUT come back only a
+  # few levels deep).
+  echo "$1: exit $? ($(date +%T))" >>"$res/summary.txt"
+  tar czf "$OUT/results-$what.tgz" -C /tmp "res-$what" 2>/dev/null
+  true
+}
 suite() {
   # The engine and serving tests write each run's log into $res/DIR/e2e or serve-out as it goes
   # (unless the caller named a folder), so that a run cut by LIMIT still brings its logs back.

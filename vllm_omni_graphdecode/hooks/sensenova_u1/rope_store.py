@@ -31,22 +31,14 @@ from __future__ import annotations
 import torch
 
 from ...reasons import Reason
+from ...compiling import triton_kernel
 
 NO_ROPE_STORE = Reason("two-kernel q/k rope and K/V write",
                        "a CUDA GPU with Triton, a bf16/fp16 paged cache and a power-of-two "
                        "head_dim (see the detail); the step writes K/V with vLLM's kernel")
 
-_KERNEL = None
-
-
-def _kernel():
-    """The Triton kernel, defined on first use (importing this module needs no Triton)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-
+def _define(triton, tl):
+    """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
     @triton.jit
     def qk_norm_rope_store(qkv, query, k_cache, v_cache, slot, wq, wk, wq_hw, wk_hw,
                            cos_t, sin_t, cos_h, sin_h, cos_w, sin_w,
@@ -128,8 +120,10 @@ def _kernel():
             out = rotated + sign * p_normed * sin
             tl.store(out_ptr + offs, out)
 
-    _KERNEL = qk_norm_rope_store
-    return _KERNEL
+    return qk_norm_rope_store
+
+
+_kernel = triton_kernel(_define)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int,
