@@ -278,7 +278,9 @@ def _select_rope_store(language_model, layout, fusion, device, dtype):
     """``rope_store.qk_norm_rope_store`` when every attention layer fits its contract and it
     agrees with the model's formula (``ops.qk_norm_rope``) on this device; else the Reason."""
     if layout.rope_per_layer and fusion.rope_kernel is None:
-        return rope_store.NO_ROPE_STORE.because("the rope tables differ between layers")
+        # It takes one set of tables for every layer: this layout computes them per layer
+        # unless the rope-once part could be wired (its reason is beside this one).
+        return rope_store.NO_ROPE_STORE.because("the rope tables are not computed once per step")
     attns = layouts.attention_modules(language_model)
     first = attns[0]
     why = rope_store.why_not(first.head_dim, dtype, dtype, device)
