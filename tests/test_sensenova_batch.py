@@ -178,7 +178,7 @@ def test_a_rows_draw_depends_on_its_seed_and_position_only():
 
 
 @pytest.mark.parametrize("params,think,want", [
-    ({"do_sample": True, "temperature": 0.7}, True, batch_decode.RowSampling()),  # think: argmax
+    ({"t_idx": 3, "max_think_tokens": 64}, True, batch_decode.RowSampling()),  # think: argmax
     ({"do_sample": False, "temperature": 0.7}, False, batch_decode.RowSampling()),
     ({"do_sample": True, "temperature": 0.0}, False, batch_decode.RowSampling()),
     ({"do_sample": True, "temperature": 0.7}, False, batch_decode.RowSampling(0.7, 0)),
@@ -186,11 +186,17 @@ def test_a_rows_draw_depends_on_its_seed_and_position_only():
     ({"do_sample": True, "temperature": True}, False, reasons.ARGUMENTS),
     (None, False, reasons.ARGUMENTS),  # the text loop's arguments could not be bound
     (None, True, batch_decode.RowSampling()),
+    # a parameter the device-side choice does not implement: the loop's own picks
+    ({"do_sample": True, "temperature": 0.7, "top_k": 5}, False, batch_mod.UNKNOWN_LOOP_PARAMS),
+    ({"do_sample": False, "temperature": 0.7, "top_p": 0.9}, False,
+     batch_mod.UNKNOWN_LOOP_PARAMS),
+    ({"max_think_tokens": 64, "repetition_penalty": 1.1}, True, batch_mod.UNKNOWN_LOOP_PARAMS),
 ])
 def test_a_text_loop_whose_sampling_cannot_be_read_is_not_served_argmax_tokens(params, think,
                                                                                want):
     """The batch serves a row its argmax or its own seeded draw; a loop whose sampling it cannot
-    read runs eagerly (its own draws) under ARGUMENTS instead of being served argmax tokens."""
+    read runs eagerly (its own draws) under ARGUMENTS, and one with a parameter the choice does
+    not implement under UNKNOWN_LOOP_PARAMS, instead of being served tokens it might not pick."""
     got = batch_mod.sampling_for(params, think)
     if isinstance(want, reasons.Reason):
         assert isinstance(got, reasons.Reason) and want.same(got), got
@@ -369,7 +375,7 @@ def test_a_cancelled_request_leaves_the_batch_and_the_others_go_on(checkpoint, m
     assert not any(r is not None for r in getattr(pipe, hook.STATE_ATTR).batch.decoder.rows)
 
 
-def test_no_room_hands_the_longest_row_back_and_it_finishes_eagerly(checkpoint, monkeypatch):
+def test_a_row_without_room_even_alone_is_handed_back_and_finishes_eagerly(checkpoint, monkeypatch):
     pipe = _pipeline(checkpoint)
     requests = _text_requests()
     want = [_answer(pipe.forward(_batch([r]))) for r in requests]
@@ -385,7 +391,7 @@ def test_no_room_hands_the_longest_row_back_and_it_finishes_eagerly(checkpoint, 
     assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.OOM}", 0) >= 1
 
 
-def test_release_mid_batch_hands_the_rows_back_and_the_next_forward_batches_again(
+def test_release_mid_batch_lets_the_rows_go_on_and_the_next_forward_batches_again(
         checkpoint, monkeypatch):
     pipe = _pipeline(checkpoint)
     requests = _text_requests()
@@ -412,9 +418,9 @@ def test_release_mid_batch_hands_the_rows_back_and_the_next_forward_batches_agai
 
 
 @pytest.mark.parametrize("failing", [1, 2])
-def test_a_failed_capture_hands_the_rows_back_with_their_tokens(checkpoint, monkeypatch, failing):
+def test_a_failed_capture_lets_the_rows_go_on_with_their_tokens(checkpoint, monkeypatch, failing):
     """The batch's ``failing``-th launch fails its capture: the first, or the second, after the
-    first served tokens (each row goes on eagerly from exactly the tokens it was fed)."""
+    first served tokens (each row goes on without graphs from exactly the tokens it was fed)."""
     pipe = _pipeline(checkpoint)
     requests = _text_requests()
     want = [_answer(pipe.forward(_batch([r]))) for r in requests]

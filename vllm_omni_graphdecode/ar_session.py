@@ -12,11 +12,15 @@ of what every autoregressive model would repeat:
   decoding eagerly beside it: a capture records this device's work, and another thread's eager
   decode running into one made that thread fail and the capture with it on the H200),
   ``Session.step``, ``finish``
-  (decoded K/V written back before the caller reads its cache), ``close``; hand-backs on OOM or
-  a failed capture (the request continues eagerly from exactly the tokens decoded so far);
+  (decoded K/V written back before the caller reads its cache), ``close``; a hand-back on OOM
+  (the request continues on the pipeline's eager path from exactly the tokens decoded so far);
   per-request graphs when dynamic LoRA wrappers are present (a capture freezes the adapter
   branch); pre-capture at load; and ``release`` (sleep level 2), which waits for a request
-  decoding in another thread to finish, or hands back the calling thread's own request first.
+  decoding in another thread to finish; called from inside the calling thread's own request,
+  that request goes on with the same step without graphs and its buffers go when it ends.
+- A failed capture does not change an answer either: the decoder drops its graphs and runs the
+  same step eagerly (the same kernels on the same buffers), for this request and the next ones,
+  until a release lets capture try again.
 
 Counted under the model's key: ``paged_request``, ``lora_request``, and from ``paged_decode``
 ``capture``, ``replay``, ``paged_eager_step``, ``verified`` / ``verify_mismatch``; fallbacks by
@@ -83,14 +87,25 @@ class ARSessions:
         self.lock = threading.Lock()
         self.decoder: PagedDecoder | None = None
         self.session: Session | None = None
-        self.capture_failed: str | None = None  # sticky until release(): capture is retried then
+        # Until release(): steps run without graphs (capture is tried again after a release).
+        self.capture_failed: str | None = None
 
     def refusal(self) -> Reason | None:
         """Why a request cannot take the paged path now (not counting the lock), or None."""
-        reason = self.gate()
-        if reason is None and self.capture_failed is not None:
-            reason = CAPTURE_FAILED.because(self.capture_failed)
-        return reason
+        return self.gate()
+
+    def _new_decoder(self) -> PagedDecoder:
+        decoder = self.make_decoder()
+        decoder.on_capture_failed = self._graphs_failed
+        if self.capture_failed is not None:
+            decoder.graphs_off()
+        return decoder
+
+    def _graphs_failed(self, exc: Exception) -> None:
+        """A capture failed (its decoder has turned graphs off): counted for this request."""
+        self.capture_failed = str(exc)[:300]
+        stats.fallback(self.model, CAPTURE_FAILED.because(
+            f"decode goes on without graphs, the same step: {self.capture_failed}"))
 
     def open(self, past_key_values, *, finish_on_close: bool) -> "Session | None":
         """A session for this request's decode loop, or None (the reason counted) to run it
@@ -112,14 +127,13 @@ class ARSessions:
             stats.count(self.model, "decode_waits")
             logger.debug("graphdecode: %s request waited %.3f s for the paged decode", self.model,
                          time.perf_counter() - start)
-            if self.capture_failed is not None:  # the request it waited for found out
-                self.lock.release()
-                stats.fallback(self.model, CAPTURE_FAILED.because(self.capture_failed))
-                return None
         try:
             per_request = self.per_request()
             if self.decoder is None:
-                self.decoder = self.make_decoder()
+                self.decoder = self._new_decoder()
+            elif self.capture_failed is not None:
+                stats.fallback(self.model, CAPTURE_FAILED.because(
+                    f"decode runs without graphs, the same step: {self.capture_failed}"))
             if per_request:
                 # Graphs from an earlier request froze that request's adapter state.
                 self.decoder.drop_graphs()
@@ -158,17 +172,20 @@ class ARSessions:
                 reserved, start = torch.cuda.memory_reserved(), time.perf_counter()
                 free_before = torch.cuda.mem_get_info()[0]
                 if self.decoder is None:
-                    self.decoder = self.make_decoder()
+                    self.decoder = self._new_decoder()
                 self.decoder.precapture(buckets, dtype)
                 torch.cuda.synchronize()
             except Exception as exc:
-                self._drop_decoder()
                 if is_oom(exc):
+                    self._drop_decoder()
                     stats.fallback(self.model, OOM.because(f"pre-capture: {exc}"))
                     return f"pre-capture skipped: {OOM.key}"
-                self.capture_failed = str(exc)[:300]
-                stats.fallback(self.model, CAPTURE_FAILED.because(self.capture_failed))
-                return f"pre-capture failed: {exc}"
+                if not isinstance(exc, CaptureFailed):
+                    self._drop_decoder()
+                    raise
+                self.decoder.graphs_off()
+                self._graphs_failed(exc)
+                return f"pre-capture failed, decode runs without graphs: {exc}"
             seconds = time.perf_counter() - start
             # Free device memory catches what graphs hold outside the caching allocator too.
             took = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
@@ -188,10 +205,12 @@ class ARSessions:
         """
         session = self.session
         if session is not None and session.thread == threading.get_ident():
-            if session.live:
-                session.hand_back(RELEASED)
-            self._drop_decoder()
             self.capture_failed = None
+            if session.live and self.decoder is not None:
+                session.graphless(RELEASED.because("decode goes on without graphs, the same "
+                                                   "step"))
+                return
+            self._drop_decoder()
             return
         with self.lock:
             self._drop_decoder()
@@ -210,6 +229,7 @@ class Session:
         self.live = True
         self.steps = 0
         self.ahead: Lookahead | None = None
+        self.drop_decoder_at_close = False
 
     def launches(self, *, stops=(), limit: int | None = None,
                  sampling: Sampling | None = None) -> None:
@@ -239,17 +259,24 @@ class Session:
         try:
             out = fn(token, position)
         except Exception as exc:
-            if is_oom(exc):  # growing the buffers, or allocating inside a capture
-                length = self.decoder.cache.length
-                self.hand_back(OOM.because(f"at {length} tokens: {exc}"))
-                return None
-            if not isinstance(exc, CaptureFailed):
+            if not is_oom(exc):  # a failed capture runs eagerly inside (``_graphs_failed``)
                 raise
-            self.owner.capture_failed = str(exc)[:300]
-            self.hand_back(CAPTURE_FAILED.because(self.owner.capture_failed))
+            # Growing the buffers: the eager loop taking over grows its own cache.
+            length = self.decoder.cache.length
+            self.hand_back(OOM.because(f"at {length} tokens: {exc}"))
             return None
         self.steps += 1
         return out
+
+    def graphless(self, reason: Reason) -> None:
+        """Sleep released the graphs under this request: it goes on with the same step without
+        them (a launch already running ahead finishes and is served), and the decoder's buffers
+        go when it closes. Counted once per request."""
+        if self.drop_decoder_at_close:
+            return
+        self.decoder.graphs_off()
+        self.drop_decoder_at_close = True
+        stats.fallback(self.owner.model, reason)
 
     def _settle(self) -> None:
         """Nothing runs ahead any more (the valid length already excludes it)."""
@@ -282,7 +309,9 @@ class Session:
             if self.finish_on_close:
                 self.finish()
             self.live = False
-            if self.per_request and self.owner.decoder is not None:
+            if self.drop_decoder_at_close:
+                self.owner._drop_decoder()
+            elif self.per_request and self.owner.decoder is not None:
                 self.owner.decoder.drop_graphs()
         finally:
             self.owner.session = None

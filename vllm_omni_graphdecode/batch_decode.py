@@ -24,14 +24,23 @@ How:
   tokens from the last launch as ``token_loop.Lookahead`` does for one sequence (checking the loop
   fed exactly what the device fed), and a row that needs more waits (``turns.Turns.wait_until``);
   when no request can run, ``launch`` decodes the next ``k`` tokens of every waiting row.
-- Hand-backs: a row that cannot continue (no blocks left and the pool cannot grow, a failed
-  capture, a sleep release) has its K/V written back to its own cache and its loop continues on
-  the pipeline's eager path from exactly the tokens decoded so far.
+- Faults keep a row's answer. A row without room waits: the step runs the rows that have room,
+  and a row waiting for blocks (at join, or to grow) joins the next launch after another row
+  leaves. When no waiting row has room, the youngest rows holding blocks are swapped out to host
+  memory (their K/V copied bit for bit, their blocks freed) until the oldest has room; a swapped
+  row comes back the same way. A row computes the same tokens whenever it runs, so waiting and
+  swapping change no answer. A failed capture or a release (sleep) mid-batch drops the graphs and
+  the rows go on with the same step run without them (the same kernels: the same tokens). Only a
+  row that cannot have room even alone is handed back: its K/V written back to its own cache, its
+  loop continues on the pipeline's eager path from exactly the tokens decoded so far (the
+  model's own step: its later tokens may part from the batch's at a near-tie).
 
 Counted under the model's key: ``batch_launch``, ``batch_rows`` (rows decoded, summed over
 launches: their ratio is the mean batch), ``batch_capture``, ``batch_row_join``,
-``batch_eager_launch``; hand-backs under the shared reasons (``OOM``: no room in the pool,
-``CAPTURE_FAILED``, ``RELEASED``), their detail saying "batch".
+``batch_eager_launch``, ``batch_row_waited`` (launches a row sat out for room),
+``batch_row_swapped`` (swap-outs); the degraded and fallback reasons ``OOM`` (a swap-out,
+detail "swapped out"; a hand-back), ``CAPTURE_FAILED`` and ``RELEASED`` (rows going on without
+graphs), their detail saying "batched decode".
 """
 
 from __future__ import annotations
@@ -184,15 +193,26 @@ class BatchProgram:
 
 
 class Row:
-    """One sequence's place in the batch: what its loop fed, what the launches decoded for it."""
+    """One sequence's place in the batch: what its loop fed, what the launches decoded for it.
 
-    def __init__(self, decoder: "BatchDecoder", index: int, cache, sampling: RowSampling):
+    A row is *in the pool* (``loaded``: its K/V in blocks of the batch's cache) or waits outside it
+    for room: at join its prefill K/V are still only in its own cache (``cache``); swapped out,
+    they are in ``swapped`` (host memory, bit for bit). ``length`` counts its valid tokens either
+    way."""
+
+    def __init__(self, decoder: "BatchDecoder", index: int, cache, sampling: RowSampling,
+                 order: int):
         self.decoder = decoder
         self.index = index
         self.cache = cache  # the request's own DynamicCache (written back at the end)
         self.sampling = sampling
+        self.order = order  # join order: the oldest row gets room first
         self.live = True
+        self.loaded = False
+        self.swapped: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.length = cache.layers[0].keys.shape[2]
         self.handed_back: Reason | None = None
+        self.graphless = False  # counted once: it went on without graphs (release, capture)
         # The next launch starts from (want_token, want_position) over ``length`` valid tokens.
         self.want: tuple[int, int] | None = None
         # The last launch's tokens: fed[i] was fed at start_position + i, nexts[i] followed it.
@@ -203,10 +223,6 @@ class Row:
         self.cursor = -1
         self.steps = 0
 
-    @property
-    def length(self) -> int:
-        return self.decoder.cache.lengths[self.index]
-
     def next(self, token: int, position: int) -> int | None:
         """The loop feeds ``token`` at ``position``: the token that follows it, or None after a
         hand-back (the loop's cache then holds every token decoded so far)."""
@@ -216,7 +232,7 @@ class Row:
         if (0 < i < len(self.fed) and self.fed[i] == token
                 and self.start_position + i == position):
             self.cursor = i
-            self.decoder.cache.lengths[self.index] = self.start_length + i + 1
+            self.length = self.start_length + i + 1
             self.steps += 1
             return self.nexts[i]
         self.want = (token, position)
@@ -233,7 +249,7 @@ class Row:
         self.nexts = tokens
         self.fed = [token] + tokens[:-1]
         self.cursor = 0
-        self.decoder.cache.lengths[self.index] = self.start_length + 1
+        self.length = self.start_length + 1
         self.want = None
 
     @property
@@ -245,11 +261,13 @@ class BatchDecoder:
     """Up to ``cache.rows`` sequences decoding together (module docstring).
 
     ``model``: the hook's ``BatchStepModel``; ``graphs``: capture launches (else run them
-    eagerly, the same kernels); ``k``: tokens per launch.
+    eagerly, the same kernels); ``k``: tokens per launch; ``reopen_blocks``/``reopen_width``:
+    the pool a released decoder allocates again for its next row (default: its first size).
     """
 
     def __init__(self, model: BatchStepModel, cache: BatchKV, *, name: str, k: int,
-                 graphs: bool):
+                 graphs: bool, reopen_blocks: int | None = None,
+                 reopen_width: int | None = None):
         self.model = model
         self.cache = cache
         self.name = name
@@ -257,14 +275,17 @@ class BatchDecoder:
         self.graphs = graphs
         self.rows: list[Row | None] = [None] * cache.rows
         self.programs: dict[bool, BatchProgram] = {}
-        self.capture_failed: str | None = None
+        self.capture_failed: str | None = None  # until release(): launches run without graphs
         self.lock = threading.RLock()
         pin = cache.device.type == "cuda"
+        self._pin = pin
         self._host_tokens = torch.zeros(k, cache.rows, dtype=torch.long, pin_memory=pin)
         # A launch's inputs, staged in pinned memory: two copies a launch, not one a field.
         self._host_inputs = torch.zeros(len(INPUTS), cache.rows, dtype=torch.long, pin_memory=pin)
         self._host_temps = torch.zeros(cache.rows, dtype=torch.float32, pin_memory=pin)
         self._released = False
+        self._joined = 0
+        self._reopen = (reopen_blocks or cache.num_blocks, reopen_width or max(cache.width, 1))
         self.vocab = 0
 
     @property
@@ -277,20 +298,17 @@ class BatchDecoder:
     # -- rows ---------------------------------------------------------------------------------
 
     def join(self, past_key_values, sampling: RowSampling = RowSampling()) -> Row | None:
-        """A row for a prefilled ``DynamicCache`` (batch 1), or None when every row is taken or
-        the pool has no room (the caller runs the loop eagerly, the reason counted)."""
+        """A row for a prefilled ``DynamicCache`` (batch 1), or None when every row is taken.
+        Its K/V enter the pool at its first launch, once there is room (module docstring)."""
         with self.lock:
-            if self._released:
-                return None
             try:
                 index = self.rows.index(None)
             except ValueError:
                 return None
-            prefix = past_key_values.layers[0].keys.shape[2]
-            if not self._reserve(index, prefix + 1 + self.k):
-                return None
-            self.cache.load(index, past_key_values)
-            row = Row(self, index, past_key_values, sampling)
+            if self._released and not self.live_rows:
+                self._reopen_buffers()
+            row = Row(self, index, past_key_values, sampling, self._joined)
+            self._joined += 1
             self.rows[index] = row
             stats.count(self.name, "batch_row_join")
             return row
@@ -300,11 +318,9 @@ class BatchDecoder:
         the cache next), its blocks returned."""
         with self.lock:
             if row.live and write_back and row.steps:
-                self.cache.write_back(row.index, row.cache)
+                self._write_back(row)
             row.live = False
-            if self.rows[row.index] is row:
-                self.rows[row.index] = None
-                self.cache.release_row(row.index)
+            self._free(row)
             if self._released and not self.live_rows:
                 self._drop()
 
@@ -312,12 +328,29 @@ class BatchDecoder:
         """Write ``row``'s decoded K/V back and let the eager path take its loop over."""
         if not row.live:
             return
-        self.cache.write_back(row.index, row.cache)
+        if row.steps:
+            self._write_back(row)
         row.live = False
         row.handed_back = reason
         stats.fallback(self.name, reason)
-        self.rows[row.index] = None
-        self.cache.release_row(row.index)
+        self._free(row)
+
+    def _write_back(self, row: Row) -> None:
+        if row.loaded:
+            self.cache.write_back(row.index, row.cache, row.length)
+        elif row.swapped is not None:
+            device = row.cache.layers[0].keys.device
+            for layer, (k, v) in zip(row.cache.layers, row.swapped):
+                layer.keys = k.to(device).transpose(0, 1).unsqueeze(0)
+                layer.values = v.to(device).transpose(0, 1).unsqueeze(0)
+
+    def _free(self, row: Row) -> None:
+        row.swapped = None
+        if self.rows[row.index] is row:
+            self.rows[row.index] = None
+            if row.loaded:
+                self.cache.release_row(row.index)
+        row.loaded = False
 
     def _reserve(self, index: int, tokens: int) -> bool:
         """Blocks for ``tokens`` tokens in row ``index``, growing the pool (and table) if needed.
@@ -342,6 +375,60 @@ class BatchDecoder:
             return False
         return cache.reserve(index, tokens)
 
+    # -- room ---------------------------------------------------------------------------------
+
+    def _room(self, row: Row) -> bool:
+        """Blocks for ``row``'s next launch, its K/V brought into the pool when they were not
+        there. False: no room now (nothing changed)."""
+        if not self._reserve(row.index, row.length + 1 + self.k):
+            return False
+        if not row.loaded:
+            if row.swapped is not None:
+                self.cache.restore(row.index, row.swapped, row.length)
+                row.swapped = None
+            else:
+                self.cache.load(row.index, row.cache)
+            row.loaded = True
+        self.cache.lengths[row.index] = row.length
+        return True
+
+    def _swap_out(self, row: Row) -> None:
+        """``row``'s K/V to host memory, its blocks back to the pool: it waits for room."""
+        row.swapped = self.cache.save(row.index, row.length)
+        self.cache.release_row(row.index)
+        row.loaded = False
+        stats.count(self.name, "batch_row_swapped")
+        stats.degraded(self.name, OOM.because(
+            f"batched decode: row {row.index} swapped out at {row.length} tokens until another "
+            f"row leaves ({len(self.cache.free)} free blocks): lower --max-num-seqs or the "
+            f"buckets"))
+
+    def _admit(self, waiting: list[Row]) -> list[Row]:
+        """The waiting rows that have room for the next launch, oldest first; a row without room
+        keeps waiting. When none has room, the youngest rows in the pool are swapped out until
+        the oldest waiting row has it; when even that cannot give it room, it is handed back
+        (module docstring). Never returns an empty list while a waiting row stays waiting."""
+        waiting = sorted(waiting, key=lambda r: r.order)
+        ready = [r for r in waiting if self._room(r)]
+        if not ready:
+            oldest = waiting[0]
+            for victim in sorted(self.live_rows, key=lambda r: -r.order):
+                if victim is oldest or not victim.loaded:
+                    continue
+                self._swap_out(victim)
+                if self._room(oldest):
+                    ready = [oldest] + [r for r in waiting[1:] if r.loaded and self._room(r)]
+                    break
+            else:
+                self.hand_back(oldest, OOM.because(
+                    f"batched decode: no room in the batch's paged K/V for row {oldest.index} at "
+                    f"{oldest.length} tokens even alone ({len(self.cache.free)} free blocks): "
+                    f"lower --max-num-seqs or the buckets"))
+        for row in waiting:
+            if row.live and row not in ready:
+                stats.count(self.name, "batch_row_waited")
+        return ready
+
     # -- launches -----------------------------------------------------------------------------
 
     def wait_for(self, row: Row) -> None:
@@ -350,38 +437,35 @@ class BatchDecoder:
         group = turns.current()
         if group is None:
             with self.lock:
-                self.launch()
+                while row.waiting:
+                    self.launch()
             return
         group.group.wait_until(lambda: not row.waiting)
 
     @torch.inference_mode()
     def launch(self) -> None:
-        """Decode the next ``k`` tokens of every waiting row in one launch (the turns' idle
-        work). Rows that cannot go on are handed back first. In inference mode whichever thread
-        runs it: the member holding the turn may have left its request's ``forward``."""
+        """Decode the next ``k`` tokens of every waiting row that has room in one launch (the
+        turns' idle work). In inference mode whichever thread runs it: the member holding the
+        turn may have left its request's ``forward``."""
         with self.lock:
             waiting = [r for r in self.rows if r is not None and r.waiting]
             if not waiting:
                 return
-            if self._released:
-                for row in waiting:
-                    self.hand_back(row, RELEASED.because("batched decode"))
-                return
-            if self.capture_failed is not None:
-                for row in waiting:
-                    self.hand_back(row, CAPTURE_FAILED.because(f"batched decode: "
-                                                               f"{self.capture_failed}"))
-                return
-            for row in sorted(waiting, key=lambda r: r.length):
-                if not self._reserve(row.index, row.length + 1 + self.k):
-                    self.hand_back(row, OOM.because(
-                        f"no room in the batch's paged K/V for row {row.index} at {row.length} "
-                        f"tokens ({len(self.cache.free)} free blocks): lower --max-num-seqs or "
-                        f"the buckets"))
-            waiting = [r for r in waiting if r.live]
-            if not waiting:
-                return
-            self._run(waiting)
+            ready = self._admit(waiting)
+            if ready:
+                self._run(ready)
+
+    def _graphless(self, rows: list[Row]) -> None:
+        """Count, once per row, why these rows decode without graphs."""
+        if self._released:
+            reason = RELEASED.because("batched decode goes on without graphs, the same step")
+        else:
+            reason = CAPTURE_FAILED.because(f"batched decode goes on without graphs, the same "
+                                            f"step: {self.capture_failed}")
+        for r in rows:
+            if not r.graphless:
+                r.graphless = True
+                stats.fallback(self.name, reason)
 
     def _run(self, waiting: list[Row]) -> None:
         sampled = any(r.sampling.temperature > 0 for r in waiting)
@@ -403,17 +487,21 @@ class BatchDecoder:
         self._host_temps.copy_(torch.tensor(temps, dtype=torch.float32))
         program.inputs.copy_(self._host_inputs, non_blocking=True)
         program.temperature.copy_(self._host_temps, non_blocking=True)
+        graphs = self.graphs and not self._released and self.capture_failed is None
         try:
-            if program.run(graphs=self.graphs):
+            if program.run(graphs=graphs):
                 stats.count(self.name, "batch_capture")
         except CaptureFailed as exc:
+            # The capture's repair left the device usable: this launch runs without a graph,
+            # and so does every later one until a release lets capture try again.
             self.capture_failed = str(exc)[:300]
-            for r in waiting:
-                self.hand_back(r, CAPTURE_FAILED.because(f"batched decode: "
-                                                         f"{self.capture_failed}"))
-            return
-        if not self.graphs:
+            program.drop_graph()
+            program.run(graphs=False)
+            graphs = False
+        if not graphs:
             stats.count(self.name, "batch_eager_launch")
+            if self.capture_failed is not None or self._released:
+                self._graphless(waiting)
         self._host_tokens.copy_(program.tokens, non_blocking=True)
         if program.tokens.is_cuda:
             torch.cuda.current_stream(self.cache.device).synchronize()
@@ -421,32 +509,41 @@ class BatchDecoder:
         host = self._host_tokens.t().tolist()
         for r in waiting:
             r.receive(host[r.index])
+            self.cache.lengths[r.index] = r.length
         stats.count(self.name, "batch_launch")
         stats.count(self.name, "batch_rows", len(waiting))
 
     @torch.inference_mode()
     def precapture(self) -> float:
         """Capture the greedy program now (model load): idle rows only, so nothing of any
-        request is touched. Returns seconds."""
+        request is touched. Returns seconds. A failed capture leaves the launches without graphs
+        (counted) until a release."""
         with self.lock:
             start = time.perf_counter()
             program = self.programs.get(False)
             if program is None:
                 program = self.programs[False] = BatchProgram(self.model, self.cache, self.k,
                                                               sampled=False)
-            if self.graphs:
-                program.run(graphs=True)
-                stats.count(self.name, "batch_capture")
+            if self.graphs and self.capture_failed is None:
+                try:
+                    program.run(graphs=True)
+                except CaptureFailed as exc:
+                    self.capture_failed = str(exc)[:300]
+                    stats.fallback(self.name, CAPTURE_FAILED.because(
+                        f"batched decode pre-capture: {self.capture_failed}"))
+                else:
+                    stats.count(self.name, "batch_capture")
             return time.perf_counter() - start
 
     # -- release ------------------------------------------------------------------------------
 
     def release(self) -> None:
-        """Sleep level 2: drop graphs and buffers. Rows still decoding are handed back at their
-        next launch, and the buffers go when the last one leaves."""
+        """Sleep level 2: drop the graphs now and the buffers once no row decodes. Rows still
+        decoding go on with the same step without graphs (module docstring)."""
         with self.lock:
             self._released = True
             self.capture_failed = None
+            self.drop_graphs()
             if not self.live_rows:
                 self._drop()
 
@@ -461,10 +558,15 @@ class BatchDecoder:
         self.programs.clear()
         self.cache.release()
 
+    def _reopen_buffers(self) -> None:
+        self._released = False
+        if not self.cache.num_blocks:
+            blocks, width = self._reopen
+            self.cache.grow(blocks, width=width)
+
     def reopen(self, blocks: int, width: int) -> None:
         """After a release: buffers again (the next request's)."""
         with self.lock:
+            self._reopen = (blocks, width)
             if self._released and not self.live_rows:
-                self._released = False
-                if not self.cache.num_blocks:
-                    self.cache.grow(blocks, width=width)
+                self._reopen_buffers()

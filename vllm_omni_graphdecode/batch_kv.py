@@ -44,7 +44,7 @@ BLOCK_SIZE = 16
 # Splits of each row's keys in the Triton decode kernel: fixed for the process (never chosen from
 # the batch or the length), which is what keeps a row's attention independent of its neighbours.
 SPLITS = 16
-# Block 0 is never given to a row: idle rows attend to (and write) its first slot.
+# Block 0 is never given to a row: idle rows write their dummy token to its first slot.
 SCRATCH = 0
 
 NO_BATCH_ATTENTION = Reason("batch-invariant decode attention unavailable",
@@ -271,6 +271,22 @@ class BatchKV:
             layer.keys = _flat(self.k[i]).index_select(0, index).transpose(0, 1).unsqueeze(0)
             layer.values = _flat(self.v[i]).index_select(0, index).transpose(0, 1).unsqueeze(0)
 
+    def save(self, row: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A host copy of ``row``'s first ``n`` tokens, per layer ``(n, kv_heads, head_dim)``
+        K and V (``restore`` puts them back bit for bit, into whatever blocks the row holds
+        then). One layer at a time: the device copy in between is one layer's tokens."""
+        index = self._token_index(self.row_blocks[row], n)
+        return [(_flat(k).index_select(0, index).cpu(), _flat(v).index_select(0, index).cpu())
+                for k, v in zip(self.k, self.v)]
+
+    def restore(self, row: int, saved, n: int) -> None:
+        """Copy ``save``'s ``n`` tokens into ``row`` (its blocks reserved first)."""
+        index = self._token_index(self.row_blocks[row], n)
+        for i, (k, v) in enumerate(saved):
+            _flat(self.k[i]).index_copy_(0, index, k.to(self.device))
+            _flat(self.v[i]).index_copy_(0, index, v.to(self.device))
+        self.lengths[row] = n
+
     def _token_index(self, blocks: Sequence[int], n: int) -> torch.Tensor:
         ids = torch.tensor(blocks, dtype=torch.int64).repeat_interleave(BLOCK_SIZE) * BLOCK_SIZE
         ids += torch.arange(BLOCK_SIZE).repeat(len(blocks))
@@ -280,7 +296,8 @@ class BatchKV:
 
     def load_lengths(self, lengths: torch.Tensor, active: torch.Tensor) -> None:
         """``lengths`` (rows,): valid keys of each active row this step (``active`` 1); idle rows
-        read one key of SCRATCH and write its first slot."""
+        read one key (SCRATCH's, or their own first while they wait for room) and write
+        SCRATCH's first slot."""
         self.active.copy_(active)
         self.seqused.copy_(torch.where(active.bool(), lengths, torch.ones_like(lengths)))
         self._set_slot()
@@ -293,7 +310,10 @@ class BatchKV:
     def _set_slot(self) -> None:
         last = (self.seqused - 1).long()
         block = self.table.gather(1, (last // BLOCK_SIZE).clamp_(max=self.width - 1)[:, None])
-        self.slot.copy_(block[:, 0].long() * BLOCK_SIZE + last % BLOCK_SIZE)
+        slot = block[:, 0].long() * BLOCK_SIZE + last % BLOCK_SIZE
+        # An idle row may hold blocks (it waits for room while others decode): its dummy token
+        # is written to SCRATCH, never over its own first key.
+        self.slot.copy_(torch.where(self.active.bool(), slot, SCRATCH * BLOCK_SIZE))
 
     def attend(self, layer_idx: int, query, key, value, softmax_scale: float) -> torch.Tensor:
         """Store this step's K/V at each row's ``slot`` and attend over its ``seqused`` keys.

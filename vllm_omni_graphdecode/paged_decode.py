@@ -311,16 +311,23 @@ class DecodeGraphRunner:
        mismatch disables that graph (WARNING with the max difference) and the runner stays eager
        until ``reset()``.
     5. Replay; return the graph's static output, valid until the next step.
+
+    A capture that fails raises ``CaptureFailed``, unless ``on_capture_failed`` is given: it is
+    called with the error (its owner turns graphs off) and this step runs ``forward()`` eagerly,
+    the same kernels on the same inputs (the failed capture gave the generator its state back,
+    so a sampling step draws what the graph would have).
     """
 
     def __init__(self, forward: Callable[[], torch.Tensor], cache: PagedKVCache, *, model: str,
-                 graphs: bool = True, verify: bool = False, pool=None):
+                 graphs: bool = True, verify: bool = False, pool=None,
+                 on_capture_failed: Callable[[Exception], None] | None = None):
         self.forward = forward
         self.cache = cache
         self.model = model
         self.graphs_enabled = graphs
         self.verify = verify
         self._pool = pool
+        self.on_capture_failed = on_capture_failed
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._disabled: set[tuple[int, int]] = set()
         self._generation = cache.generation
@@ -354,7 +361,16 @@ class DecodeGraphRunner:
         if not self.graphs_enabled or self.eager_after_mismatch or key in self._disabled:
             stats.count(self.model, "paged_eager_step")
             return self.forward()
-        entry = self._graphs.get(key) or self._capture(key)
+        entry = self._graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(key)
+            except cuda_graphs.CaptureFailed as exc:
+                if self.on_capture_failed is None:
+                    raise
+                self.on_capture_failed(exc)
+                stats.count(self.model, "paged_eager_step")
+                return self.forward()
         if self.verify and not entry.verified:
             return self._verify(key, entry)
         entry.graph.replay()

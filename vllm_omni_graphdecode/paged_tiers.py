@@ -50,7 +50,8 @@ class _Tier:
                                   device=m.device, buckets=decoder.buckets, kernel=decoder.kernel,
                                   length=length, writer=m.writer)
         self.runner = DecodeGraphRunner(self.step, self.cache, model=decoder.name,
-                                        graphs=decoder.graphs, verify=decoder.verify)
+                                        graphs=decoder.graphs, verify=decoder.verify,
+                                        on_capture_failed=decoder.capture_failed_hook())
         # (k, sampling) -> program; sampling None: greedy
         self.programs: dict[tuple[int, Sampling | None], TokenProgram] = {}
 
@@ -68,7 +69,7 @@ class _Tier:
             d = self.decoder
             program = TokenProgram(d.model, self.cache, k, self.step, name=d.name,
                                    graphs=d.graphs, verify=d.verify,
-                                   sampling=sampling)
+                                   sampling=sampling, on_capture_failed=d.capture_failed_hook())
             sampled = [other for other in self.programs if other[1] is not None]
             if sampling is not None and len(sampled) >= SAMPLED_PROGRAMS:
                 self.programs.pop(sampled[0]).runner.drop_graphs()
@@ -99,6 +100,9 @@ class PagedDecoder:
     ``step`` returns the logits; with graphs this is the graph's static output, overwritten by the
     next step. On an exception (OOM while growing, ``CaptureFailed``) the current tier still holds
     exactly the tokens before the failed step.
+
+    ``on_capture_failed``: None (a failed capture raises ``CaptureFailed``), or called with the
+    error after ``graphs_off()``, the step then running eagerly (``DecodeGraphRunner``).
     """
 
     def __init__(self, model: StepModel, *, name: str, kernel, buckets: Sequence[int],
@@ -113,6 +117,24 @@ class PagedDecoder:
         self.pinned: _Tier | None = None
         self.overflow: _Tier | None = None
         self.current: _Tier | None = None
+        self.on_capture_failed = None
+
+    def capture_failed_hook(self):
+        """What this decoder's runners call when a capture fails (None: they raise)."""
+        return self._capture_failed if self.on_capture_failed is not None else None
+
+    def _capture_failed(self, exc: Exception) -> None:
+        self.graphs_off()
+        self.on_capture_failed(exc)
+
+    def graphs_off(self) -> None:
+        """Drop every graph and run every step without one from now on: the same kernels on the
+        same buffers (a failed capture, a release in the middle of a request)."""
+        self.graphs = False
+        for tier in self.tiers:
+            for runner in tier.runners:
+                runner.graphs_enabled = False
+            tier.drop_graphs()
 
     @property
     def tiers(self) -> list[_Tier]:

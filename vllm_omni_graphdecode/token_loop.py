@@ -78,7 +78,8 @@ class TokenProgram:
     """
 
     def __init__(self, model, cache: PagedKVCache, k: int, step, *, name: str, graphs: bool,
-                 verify: bool, pool=None, sampling: Sampling | None = None):
+                 verify: bool, pool=None, sampling: Sampling | None = None,
+                 on_capture_failed=None):
         device = model.device
         self.model = model
         self.cache = cache
@@ -91,7 +92,8 @@ class TokenProgram:
         self.start_length = torch.zeros(1, dtype=torch.int32, device=device)
         self.tokens = torch.zeros(k, dtype=torch.long, device=device)
         self.runner = DecodeGraphRunner(self.forward, cache, model=name, graphs=graphs,
-                                        verify=verify, pool=pool)
+                                        verify=verify, pool=pool,
+                                        on_capture_failed=on_capture_failed)
 
     def forward(self) -> torch.Tensor:
         """Returns the last step's logits (what verify compares); the tokens go to ``tokens``."""

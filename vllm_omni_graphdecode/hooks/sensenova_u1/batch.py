@@ -23,7 +23,9 @@ Three places:
 
 Sampling: a text loop that samples draws from the row's own stream, seeded by the request's
 ``seed`` (default 0), by position: the same request gives the same text whatever decodes beside
-it, in any process.
+it, in any process, also where it decodes eagerly (a refused batch, a row handed back: its draws
+come from the same stream, over the eager step's logits). A loop whose signature takes a
+parameter the device-side choice does not implement (``LOOP_PARAMS``) runs its own code.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ... import patching, stats, turns
 from ...batch_decode import BatchDecoder, RowSampling, choose
 from ...batch_kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
 from ...patching import HookRefused, check_signature
-from ...reasons import ARGUMENTS, CAPTURE_FAILED, OOM, Reason
+from ...reasons import ARGUMENTS, OOM, Reason
 from ...token_loop import HostLogits
 from . import layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
@@ -172,19 +174,19 @@ class BatchWiring:
                             attention=self.attention, blocks=self.initial_blocks(),
                             writer=self.writer)
             cache.grow(cache.num_blocks, width=self.table_width())
-            self.decoder = BatchDecoder(step, cache, name=MODEL, k=self.k, graphs=self.graphs)
+            self.decoder = BatchDecoder(step, cache, name=MODEL, k=self.k, graphs=self.graphs,
+                                        reopen_blocks=self.initial_blocks(),
+                                        reopen_width=self.table_width())
         else:
             self.decoder.reopen(self.initial_blocks(), self.table_width())
         return self.decoder
 
     def refusal(self) -> Reason | None:
-        """Why this ``forward``'s loops decode eagerly, or None (checked once per forward)."""
+        """Why this ``forward``'s loops decode eagerly, or None (checked once per forward). A
+        failed capture is not one: the launches then run without graphs (``BatchDecoder``)."""
         if isinstance(self.attention, Reason):
             return self.attention
-        reason = self._refusal()
-        if reason is None and self.decoder is not None and self.decoder.capture_failed:
-            reason = CAPTURE_FAILED.because(f"batched decode: {self.decoder.capture_failed}")
-        return reason
+        return self._refusal()
 
     def precapture(self) -> str:
         if not self.cfg.precapture:
@@ -363,37 +365,85 @@ def _nothing() -> None:
 
 # -- serving a loop from the batch -------------------------------------------------------------
 
-class RowSession:
-    """One loop's row: ``decode`` serves its tokens, ``finish`` writes its K/V back."""
+class EagerRow:
+    """A loop of a batch that decodes on the pipeline's eager path (its batch refused, or its
+    row handed back), drawing a sampled loop's tokens from the row's own stream: the launches'
+    function (``batch_decode.choose``) over the eager step's logits, at the same positions."""
+
+    live = False
+
+    def __init__(self, cache, sampling: RowSampling, device):
+        self.cache = cache
+        self.sampling = sampling
+        self.device = torch.device(device)
+        self.thread = threading.get_ident()
+        self.host = HostLogits()
+
+    def owns(self, cache) -> bool:
+        return cache is self.cache and threading.get_ident() == self.thread
+
+    def serves(self, cache) -> bool:
+        return False
+
+    def logits(self, token: int, vocab: int):
+        """Host logits whose argmax (and one draw) is ``token`` (``token_loop.ServedLogits``)."""
+        return self.host.logits(token, vocab)
+
+    def draw(self, logits: torch.Tensor, position) -> int:
+        """The row's draw from ``logits``' last row, the token following ``position``."""
+        s = self.sampling
+        device = logits.device
+        last = logits.reshape(-1, logits.shape[-1])[-1:]
+        token = choose(last, torch.tensor([s.temperature], device=device),
+                       torch.tensor([s.seed], device=device),
+                       torch.tensor([int(position)], device=device), True)
+        return int(token[0])
+
+    def first_draw(self, prefix_logits: torch.Tensor, t_idx) -> int:
+        """The draw from the prefill's last logits, at the prompt's last position."""
+        return self.draw(prefix_logits, t_idx)
+
+    def eager_step(self, original, output_cls, next_token, t_idx, past_key_values, *args,
+                   **kwargs):
+        """The pipeline's own step, on the device (the token the loop feeds may be a host
+        tensor: it picked it from host logits), then the row's draw when it samples."""
+        if torch.is_tensor(next_token) and next_token.device != self.device:
+            next_token = next_token.to(self.device)
+        out = original(next_token, t_idx, past_key_values, *args, **kwargs)
+        stats.count(MODEL, "eager_step")
+        if self.sampling.temperature <= 0:
+            return out
+        logits = out.logits
+        token = self.draw(logits, t_idx + 1)
+        return output_cls(logits=self.logits(token, logits.shape[-1]),
+                          past_key_values=out.past_key_values)
+
+    def close(self) -> None:
+        pass
+
+
+class RowSession(EagerRow):
+    """One loop's row: ``decode`` serves its tokens, ``finish`` writes its K/V back; after a
+    hand-back it steps eagerly as ``EagerRow``."""
 
     def __init__(self, batch: BatchWiring, row, think: bool):
+        super().__init__(row.cache, row.sampling, batch.device)
         self.batch = batch
         self.row = row
         self.think = think
-        self.thread = threading.get_ident()
         self.request = current_request()
-        self.host = HostLogits()
         # Read at every token: opened here, not per token (a shm_open and an mmap each).
         self._cancel = _cancel_flag(self.request)
 
+    @property
+    def live(self) -> bool:
+        return self.row.live
+
     def logits(self, token: int, vocab: int | None = None):
-        """Host logits whose argmax (and one draw) is ``token`` (``token_loop.ServedLogits``)."""
         return self.host.logits(token, vocab or self.batch.decoder.vocab)
 
-    def first_draw(self, prefix_logits: torch.Tensor, t_idx) -> int:
-        """The row's draw from the prefill's last logits, at the prompt's last position, with
-        the function every launch draws with (``batch_decode.choose``)."""
-        s = self.row.sampling
-        device = prefix_logits.device
-        last = prefix_logits.reshape(-1, prefix_logits.shape[-1])[-1:]
-        token = choose(last, torch.tensor([s.temperature], device=device),
-                       torch.tensor([s.seed], device=device),
-                       torch.tensor([int(t_idx)], device=device), True)
-        return int(token[0])
-
     def serves(self, cache) -> bool:
-        return (self.row.live and cache is self.row.cache
-                and threading.get_ident() == self.thread)
+        return self.row.live and self.owns(cache)
 
     def decode(self, token: int, position: int) -> int | None:
         if self._cancel is not None and self._cancel.buf[0]:
@@ -434,18 +484,44 @@ def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
         return None
     row = decoder.join(cache, sampling)
     if row is None:
-        stats.fallback(MODEL, OOM.because("no free row or block in the batch's paged K/V at "
-                                          "join: lower --max-num-seqs or the buckets"))
+        stats.fallback(MODEL, OOM.because(f"every one of the batch's {decoder.cache.rows} rows "
+                                          f"is taken at join"))
         return None
     return RowSession(batch, row, think)
+
+
+# The loops' parameters whose meaning the device-side choice implements (vllm-omni 0.24-0.30):
+# the think loop's argmax and limit; the text loop's argmax, or softmax(logits / temperature)
+# sampling, and limit.
+LOOP_PARAMS = {
+    True: frozenset({"self", "prefix_outputs", "past_key_values", "t_idx", "max_think_tokens"}),
+    False: frozenset({"self", "prefix_logits", "past_key_values", "t_idx", "max_tokens",
+                      "do_sample", "temperature"}),
+}
+UNKNOWN_LOOP_PARAMS = Reason(
+    "the decode loop takes parameters the device-side token choice does not implement",
+    "report it with the vllm-omni version (python -m vllm_omni_graphdecode doctor): the loop "
+    "picks its own tokens from the model's logits meanwhile (the detail names the parameters)")
+
+
+def unknown_loop_params(params: dict, think: bool) -> list[str]:
+    """The names among a loop's bound arguments (defaults applied, a ``**kwargs`` parameter's
+    keys in its place: ``wiring._loop_params``) that ``LOOP_PARAMS`` does not know."""
+    return sorted(name for name in params if name not in LOOP_PARAMS[think])
 
 
 def sampling_for(params: dict | None, think: bool) -> RowSampling | Reason:
     """The row's pick: the loop's argmax, or its draw at its temperature from the request's own
     seeded stream. ``params``: the loop's bound arguments, or None where they could not be read.
     A text loop whose sampling cannot be read (its arguments unbound, a temperature that is not a
-    number) gets ``ARGUMENTS``: it decodes eagerly, drawing as its own code does, rather than
-    being served argmax tokens it might not have picked."""
+    number) gets ``ARGUMENTS``, and a loop with a parameter the choice does not implement
+    (``LOOP_PARAMS``) ``UNKNOWN_LOOP_PARAMS``: it decodes eagerly, drawing as its own code does,
+    rather than being served tokens it might not have picked."""
+    if params is not None:
+        unknown = unknown_loop_params(params, think)
+        if unknown:
+            return UNKNOWN_LOOP_PARAMS.because(
+                f"{'think' if think else 'text'} loop takes {', '.join(unknown)}")
     if think:
         return RowSampling()
     if params is None:

@@ -363,7 +363,9 @@ LIMIT_PARAM = {True: "max_think_tokens", False: "max_tokens"}
 
 
 def _batch_loop(wiring: Wiring, original, signature, args, kwargs, think: bool, cache):
-    """The loop as a row of the batch (``batch.RowSession``): ``_ar_step`` serves its tokens."""
+    """The loop as a row of the batch (``batch.RowSession``): ``_ar_step`` serves its tokens.
+    Without a row (the batch refused), a sampled loop still draws from the row's own stream
+    (``batch.EagerRow``)."""
     params = _loop_params(signature, args, kwargs)
     sampling = batch_mod.sampling_for(params, think)
     if isinstance(sampling, Reason):
@@ -371,7 +373,9 @@ def _batch_loop(wiring: Wiring, original, signature, args, kwargs, think: bool, 
         return original(*args, **kwargs)
     session = batch_mod.open_row(wiring.batch, cache, think=think, sampling=sampling)
     if session is None:
-        return original(*args, **kwargs)
+        if sampling.temperature <= 0:
+            return original(*args, **kwargs)
+        session = batch_mod.EagerRow(cache, sampling, wiring.batch.device)
     if sampling.temperature > 0:
         # The loop draws its first token from the prefill's logits itself, from the process's
         # generator: drawn here from the row's own stream instead, as every later token is.
@@ -397,12 +401,20 @@ def _first_token_drawn(session, signature, args, kwargs, params):
 
 
 def _loop_params(signature, args, kwargs) -> dict | None:
+    """The loop's arguments by name, defaults applied, a ``**kwargs`` parameter's entries in its
+    place; None where they do not bind."""
     try:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return dict(bound.arguments)
     except (AttributeError, TypeError):
         return None
+    params = {}
+    for name, value in bound.arguments.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            params.update(value)
+        else:
+            params[name] = value
+    return params
 
 
 def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> None:
@@ -417,6 +429,13 @@ def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> 
         if not think:
             return  # cannot tell whether this text loop samples: its own picks, token by token
         params = {}
+    unknown = batch_mod.unknown_loop_params(params, think)
+    if unknown:
+        # The loop picks from the step's own logits, token by token (still replayed graphs).
+        stats.degraded(MODEL, batch_mod.UNKNOWN_LOOP_PARAMS.because(
+            f"{'think' if think else 'text'} loop takes {', '.join(unknown)}: one token a "
+            f"launch"))
+        return
     sampling = None
     temperature = params.get("temperature")
     if not think and params.get("do_sample") and (temperature or 0) > 0:
@@ -438,14 +457,22 @@ def _serve_launches(pipeline, session, signature, args, kwargs, think: bool) -> 
 
 
 def _wrap_ar_step(wiring: Wiring, original, output_cls):
+    device = torch.device(wiring.pipeline.device)
+
     @functools.wraps(original)
     def ar_step(next_token, t_idx, past_key_values, *args, **kwargs):
         row = wiring.row_session()
-        if row is not None and row.serves(past_key_values):
-            token = row.decode(int(next_token), t_idx + 1)
-            if token is not None:
-                return output_cls(logits=row.logits(token), past_key_values=past_key_values)
-            # handed back: the cache holds every token so far; the eager step continues
+        if row is not None and row.owns(past_key_values):
+            if row.live:
+                token = row.decode(int(next_token), t_idx + 1)
+                if token is not None:
+                    return output_cls(logits=row.logits(token), past_key_values=past_key_values)
+            # No row, or handed back: the cache holds every token so far; the eager step goes on
+            return row.eager_step(original, output_cls, next_token, t_idx, past_key_values,
+                                  *args, **kwargs)
+        if torch.is_tensor(next_token) and next_token.device != device:
+            # The loop picked it from host logits this plugin served before a hand-back.
+            next_token = next_token.to(device)
         session = wiring.sessions.session
         if session is not None and session.serves(past_key_values) and session.ahead is not None:
             token = session.decode(int(next_token), t_idx + 1)
