@@ -526,8 +526,8 @@ def test_gpu_pre_captured_graphs_survive_a_longer_request(gpu, k):
 
 
 def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch):
-    """A host sync inside the captured step makes the capture fail. The request is handed back
-    and equals the eager pipeline; then the three things a failed capture leaves broken are
+    """A host sync inside the captured step makes the capture fail. The request goes on with the
+    same step without graphs and equals the eager pipeline; then the three things a failed capture leaves broken are
     checked: the thread's stream is the one it was, ``torch.randn`` on the device works (the CUDA
     generator left capture mode), and a later capture succeeds (in a fresh pool). The eager
     reference runs first: on vllm-omni 0.30 its in-tree decode captures into vLLM's global pool,

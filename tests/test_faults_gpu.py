@@ -1,0 +1,271 @@
+"""Faults lose nothing (issue #39), on the GPU host: vllm-omni's real SenseNova-U1 pipeline from
+the tiny checkpoint, bf16 on CUDA, the batched step and the one-request step captured as CUDA
+graphs. Each test forces one fault in the middle of real requests (greedy, sampled and think
+rows together) and compares every answer with the same requests run without it.
+
+* Batched rows without room wait or are swapped to host memory: every answer bit for bit.
+* A batched row without room even alone is handed back and finishes on CUDA (the fault the
+  issue saw: the eager step was fed a host tensor and failed every such request).
+* A release (sleep level 2) or a failed capture in the middle of a batch or of a one-request
+  decode: the same step goes on without graphs, every answer bit for bit; capture works again
+  after a release.
+* A refused batch draws a sampled answer from the request's own stream, whatever the process's
+  generator holds.
+* A one-request decode that cannot grow its buffers is handed back and finishes on CUDA.
+
+The CPU file (tests/test_faults.py) checks the same decisions in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni_graphdecode import batch_decode, config, paged_decode, reasons, stats
+from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
+from vllm_omni_graphdecode.hooks.sensenova_u1 import rules as hook_rules
+from vllm_omni_graphdecode.hooks.sensenova_u1 import step as step_mod
+from vllm_omni_graphdecode.testing import random_models as rm
+
+from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (request builders)
+from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
+
+pytestmark = pytest.mark.gpu
+
+MODEL = hook.MODEL
+OOM_KEY = f"{MODEL}: {reasons.OOM}"
+
+
+def _cfg(**env):
+    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+                         "VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,512,1024,2048",
+                         "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256", **env})
+
+
+def _pipeline(checkpoint, rows=8, **env):  # noqa: F811
+    pipe = rm.load_sensenova_pipeline(checkpoint, device="cuda", dtype=torch.bfloat16)
+    hook.install(pipe, _cfg(**env), None, rows=rows)
+    return pipe
+
+
+def _requests():
+    return [_request(0, "a red cube on a table", text=60),
+            _request(1, "two cats and a dog in the rain", text=150),
+            _request(2, "x", text=33),
+            _request(3, "a sampled answer", text=90, do_sample=True, temperature=0.8),
+            _request(4, "a think image of a boat", think=True)]
+
+
+def _together(pipe, requests):
+    return [_answer(o) for o in pipe.forward(_batch(requests))]
+
+
+def _decoder(pipe):
+    return getattr(pipe, hook.STATE_ATTR).batch._decoder()
+
+
+def _no_room(monkeypatch, decoder, free_blocks):
+    def grow(blocks, width=None):
+        raise torch.OutOfMemoryError("CUDA out of memory: no room for the batch (test)")
+
+    monkeypatch.setattr(decoder.cache, "grow", grow)
+    monkeypatch.setattr(decoder.cache, "free", decoder.cache.free[:free_blocks])
+
+
+# ------------------------------------------------------------------ the batched decode
+
+
+def test_gpu_batch_rows_without_room_wait_or_swap_and_answer_bit_for_bit(checkpoint, monkeypatch):  # noqa: F811
+    """80 free blocks: the think row (1,024 tokens, ~68 blocks) fits alone, not beside the
+    texts. Rows wait and are swapped to host memory and back; every answer, the think image and
+    the sampled text included, is bit for bit the answer with room."""
+    pipe = _pipeline(checkpoint)
+    requests = _requests()
+    want = _together(pipe, requests)
+    stats.reset()
+    _no_room(monkeypatch, _decoder(pipe), 80)
+    assert _together(pipe, requests) == want
+    assert stats.get(MODEL, "batch_row_swapped") + stats.get(MODEL, "batch_row_waited") >= 1
+    assert stats.get(MODEL, "eager_step") == 0
+    assert OOM_KEY not in stats.fallbacks(MODEL)
+
+
+def test_gpu_batch_row_without_room_even_alone_finishes_on_cuda(checkpoint, monkeypatch):  # noqa: F811
+    """Six free blocks: no row can grow past 96 tokens, even alone. The rows that need more
+    (greedy, sampled and the think row) are handed back after tokens were served and finish on
+    the pipeline's eager path on CUDA (before the fix each failed with "index is on cpu": the
+    eager step was fed the token the loop had picked from host logits); the short one finishes
+    in the batch."""
+    pipe = _pipeline(checkpoint)
+    requests = _requests()
+    want = _together(pipe, requests)
+    stats.reset()
+    _no_room(monkeypatch, _decoder(pipe), 6)
+    got = _together(pipe, requests)  # _answer asserts no request failed
+    assert stats.fallbacks(MODEL).get(OOM_KEY, 0) >= 3
+    assert stats.get(MODEL, "eager_step") > 0
+    assert got[2] == want[2]  # 33 tokens from a short prompt: room enough
+    assert got[4][0] and got[4][1]  # the think image and its text
+
+
+def _release_at(monkeypatch, pipe, call):
+    real = batch_mod.RowSession.decode
+    calls = {"n": 0}
+
+    def decode(self, token, position):
+        calls["n"] += 1
+        if calls["n"] == call:
+            pipe.release_captured_graphs()
+        return real(self, token, position)
+
+    monkeypatch.setattr(batch_mod.RowSession, "decode", decode)
+    return real
+
+
+def test_gpu_batch_release_mid_batch_changes_no_answer_and_the_next_forward_captures(
+        checkpoint, monkeypatch):  # noqa: F811
+    pipe = _pipeline(checkpoint)
+    requests = _requests()
+    want = _together(pipe, requests)
+    stats.reset()
+    real = _release_at(monkeypatch, pipe, 40)
+    assert _together(pipe, requests) == want
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.RELEASED}", 0) >= 1
+    assert stats.get(MODEL, "eager_step") == 0
+    assert getattr(pipe, hook.STATE_ATTR).batch.decoder.cache.num_blocks == 0
+    monkeypatch.setattr(batch_mod.RowSession, "decode", real)
+    captures = stats.get(MODEL, "batch_capture")
+    assert _together(pipe, requests) == want
+    assert stats.get(MODEL, "batch_capture") > captures
+
+
+def _sync_while_capturing(monkeypatch, cls, name="forward"):
+    """``cls.name`` reads a value back to the host when it runs inside a capture: illegal
+    there, so every capture of it fails for real (and is repaired); eagerly it is harmless."""
+    real = getattr(cls, name)
+
+    def forward(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()
+        return out
+
+    monkeypatch.setattr(cls, name, forward)
+    return real
+
+
+def test_gpu_batch_failed_capture_changes_no_answer_until_a_release_captures_again(
+        checkpoint, monkeypatch):  # noqa: F811
+    pipe = _pipeline(checkpoint)
+    requests = _requests()
+    want = _together(pipe, requests)
+    decoder = _decoder(pipe)
+    decoder.drop_graphs()
+    stats.reset()
+    real = _sync_while_capturing(monkeypatch, batch_decode.BatchProgram)
+    assert _together(pipe, requests) == want
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.CAPTURE_FAILED}") == len(requests)
+    assert stats.get(MODEL, "eager_step") == 0 and decoder.capture_failed is not None
+    monkeypatch.setattr(batch_decode.BatchProgram, "forward", real)
+    pipe.release_captured_graphs()
+    captures = stats.get(MODEL, "batch_capture")
+    assert _together(pipe, requests) == want
+    assert stats.get(MODEL, "batch_capture") > captures and decoder.capture_failed is None
+
+
+def test_gpu_refused_batch_draws_a_sampled_answer_from_its_own_stream(checkpoint):  # noqa: F811
+    """A forward hook on the language model refuses the batch: the sampled text is the same
+    whatever the process's generator holds (before, it drew from it)."""
+    pipe = _pipeline(checkpoint)
+    sampled = [_request(3, "a sampled answer", text=90, do_sample=True, temperature=0.8)]
+    handle = pipe.language_model.register_forward_hook(lambda module, args, out: None)
+    try:
+        answers = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            answers.append(_together(pipe, sampled))
+    finally:
+        handle.remove()
+    assert answers[0] == answers[1]
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {hook_rules.HOOKED}") == 2
+
+
+# ------------------------------------------------------------------ the one-request decode
+
+
+def _one_at_a_time(pipe, requests, calls=None):
+    out = []
+    for r in requests:
+        torch.manual_seed(3)  # the one-request path samples from the device's generator
+        if calls is not None:
+            calls["n"] = 0
+        out.append(_answer(pipe.forward(_batch([r]))))
+    return out
+
+
+def _one_request_requests():
+    return [_request(0, "a red cube on a table", text=300),
+            _request(3, "a sampled answer", text=300, do_sample=True, temperature=0.8),
+            _request(4, "a think image of a boat", think=True)]
+
+
+def test_gpu_one_request_release_inside_the_decode_changes_no_answer(checkpoint, monkeypatch):  # noqa: F811
+    pipe = _pipeline(checkpoint, rows=1)
+    requests = _one_request_requests()
+    want = _one_at_a_time(pipe, requests)
+    stats.reset()
+    inner, calls = pipe._ar_step, {"n": 0}
+
+    def ar_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] in (30, 31, 200):  # mid-launch, twice more: counted once a request
+            pipe.release_captured_graphs()
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(pipe, "_ar_step", ar_step)
+    assert _one_at_a_time(pipe, requests, calls) == want
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.RELEASED}") == len(requests)
+    assert stats.get(MODEL, "eager_step") == 0
+
+
+def test_gpu_one_request_failed_capture_changes_no_answer_until_a_release(checkpoint,
+                                                                          monkeypatch):  # noqa: F811
+    pipe = _pipeline(checkpoint, rows=1)
+    requests = _one_request_requests()
+    want = _one_at_a_time(pipe, requests)
+    wiring = getattr(pipe, hook.STATE_ATTR)
+    wiring.sessions.decoder.drop_graphs()
+    stats.reset()
+    real = _sync_while_capturing(monkeypatch, step_mod.Step)
+    assert _one_at_a_time(pipe, requests) == want
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.CAPTURE_FAILED}") == len(requests)
+    assert stats.get(MODEL, "eager_step") == 0 and stats.get(MODEL, "replay") == 0
+    monkeypatch.setattr(step_mod.Step, "forward", real)
+    pipe.release_captured_graphs()
+    assert _one_at_a_time(pipe, requests[:1]) == want[:1]
+    assert stats.get(MODEL, "replay") > 0
+
+
+def test_gpu_one_request_that_cannot_grow_its_buffers_finishes_on_cuda(checkpoint, monkeypatch):  # noqa: F811
+    """Buffers past the pre-captured 256-token bucket cannot be allocated: each request is
+    handed back there and finishes on the pipeline's eager path on CUDA, from the tokens it
+    had (its first ~200 tokens are the ones it decodes with room)."""
+    pipe = _pipeline(checkpoint, rows=1)
+    requests = _one_request_requests()
+    want = _one_at_a_time(pipe, requests)
+    stats.reset()
+    real = paged_decode._alloc
+
+    def alloc(shape, dtype, device):
+        if shape[0] * paged_decode.BLOCK_SIZE > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(shape, dtype, device)
+
+    monkeypatch.setattr(paged_decode, "_alloc", alloc)
+    got = _one_at_a_time(pipe, requests)  # _answer asserts no request failed
+    assert stats.fallbacks(MODEL).get(OOM_KEY) == len(requests)
+    assert stats.get(MODEL, "eager_step") > 0
+    assert got[0][:100] == want[0][:100]
+    assert got[2][1][:100] == want[2][1][:100]  # the think text before the hand-back
