@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/batch_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The GPU runs of issue #22, one device call each, results packed into $OUT/results-WHAT.tgz (a
 # call brings back at most 8 files):
 #

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/fp8_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The GPU runs of issue #23 (FP8 decode) and #22's serving tests, one device call each, results
 # packed into $OUT/results-WHAT.tgz:
 #

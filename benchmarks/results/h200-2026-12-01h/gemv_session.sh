@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/gemv_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The GPU runs of one session (issue #23: the one-row FP8 GEMV; issue #22: eight think requests
 # with FP8 on vllm-omni 0.30), one machine, four device calls in a row, results packed into
 # $OUT/results-WHAT.tgz:

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/fold_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The GPU runs of one session (issue #23: the FP8 GEMV step with the layer's norms inside its
 # launches; issue #22: the whole GPU suite on vllm-omni 0.30), one machine, five device calls in a
 # row (a machine goes back after 30 s idle), each result packed into $OUT/results-STEP.tgz:

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/hang_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The follow-up GPU runs to pool_session.sh (results h200-2026-12-02): one machine, three device
 # calls in a row, each result packed into $OUT/results-STEP.tgz:
 #

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/pool_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The GPU runs that the plugin's own graph pool (commit c78d4a4) and issue #22's open items need,
 # prepared in a session without device time: one machine, four device calls in a row (a machine
 # goes back after 30 s idle), each result packed into $OUT/results-STEP.tgz:

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/torch_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # One device session: the 0.30 stack on the torch vllm 0.30 pins (2.13, build_torch_bundle.py,
 # torch213_env.sh) instead of the host's 2.11, after vLLM's FA2 is warmed, and the restored graph
 # pool with the two capture fixes of afe243c on both stacks. Calls back to back on one machine (a

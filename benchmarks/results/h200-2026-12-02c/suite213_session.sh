@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/suite213_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The next device session (prepared without device time): the whole GPU suite on vllm-omni 0.30
 # as its vllm pins it, torch 2.13 (build_torch_bundle.py), where vllm-omni 0.30's own decode runs
 # with the plugin off (h200-2026-12-02b), and the engine file three times in a row. One machine,

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/load_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The next device session (prepared without device time): SenseNova-U1 served over HTTP under
 # load at the released shape (issue #22: "one run over HTTP at N = 8 on the real shape"),
 # vllm-omni 0.30 on the torch its vllm pins; where the batched step's time goes on that stack;

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/levers_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The device session after the HTTP load run (prepared without device time): the two levers the
 # open issues left. One machine, calls back to back (a machine goes back after 30 s idle);
 # carried folders stay:

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/head_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The device session for issue #23's FP8 lm_head and the fast bodies' reproducibility across
 # machines (prepared without device time). Two machines, calls back to back on each (a machine
 # goes back after 30 s idle); carried folders stay:

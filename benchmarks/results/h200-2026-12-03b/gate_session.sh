@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/gate_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The device session for issue #23's two missed decode rows after 6b3112a, which cut the host
 # check every request makes before it decodes on the paged path (one walk of the language model)
 # from 8.1 to 1.2 ms on a CI CPU. The rows time a 64-token request, so that walk weighed on each

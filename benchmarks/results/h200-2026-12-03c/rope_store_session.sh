@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A record: this ran as scripts/gpu/rope_store_session.sh for the session of this folder (its README).
+# It sourced scripts/gpu/session_common.sh (its last version: h200-2026-12-03c/); a new
+# session runs scripts/gpu/run.py instead (scripts/gpu/README.md).
 # The device session for two cuts to the fused decode step's launches (issue #23): q/k norm +
 # rope and the K/V write as one launch (hooks/sensenova_u1/rope_store.py, 0235783), and the FP8
 # gate-up launch ending in silu(gate) * up (fp8_gemv.py's SWIGLU_OUT). Their GPU tests, and the

@@ -1,3 +1,5 @@
+# A record: scripts/gpu/session_common.sh as the session scripts of h200-2026-12-01i ...
+# h200-2026-12-03c sourced it; scripts/gpu/run.py does its work now.
 # Sourced by a session script (scripts/gpu/*_session.sh) after it sets `what` (its step's name):
 # the results folder /tmp/res-$what, the environment every GPU run here uses, and the helpers
 #   suite LIMIT DIR TESTS [pytest args...]   one or more GPU test files through run_suite.sh
