@@ -52,7 +52,7 @@ def triton_kernel(define: Callable) -> Callable:
 # (block sizes, warps: its sum order) fixed by Inductor's heuristics, never picked by timing at the
 # first call, so every process rounds a request alike. Tuned by timing, two machines serving the
 # same eight think requests with the same think tokens gave other image bits
-# (benchmarks/results/h200-2026-12-02e; benchmarks/probes/compiled_repro.py).
+# (benchmarks/results/h200-2026-12-02e, -02f).
 FAST_BODY_OPTIONS = {"emulate_precision_casts": True, "deterministic": True}
 
 

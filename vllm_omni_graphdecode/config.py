@@ -1,7 +1,8 @@
 """The plugin's environment variables, parsed once, with errors that say what is accepted.
 
-Every setting the plugin reads is declared in ``SETTINGS`` below; README's configuration table is
-written from the same list (``python -m vllm_omni_graphdecode doctor`` prints the parsed values).
+Every setting the plugin reads is declared in ``SETTINGS`` below, with its meaning: README's
+configuration table and docs/configuration.md are written from it (``scripts/gen_config_docs.py``),
+and ``python -m vllm_omni_graphdecode doctor`` prints the parsed values.
 A bad value raises ``ConfigError`` at start-up naming the variable, the value and what is accepted:
 a typo must not silently leave the server on the slow path.
 """
@@ -139,104 +140,203 @@ def _path_or_off(var: str, raw: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
+    """One variable: how it is read, and what it means, said once.
+
+    ``short`` is the README table's cell (one line, at most ~160 characters); ``long`` (Markdown,
+    links relative to docs/) is the rest of its meaning in docs/configuration.md. Both are written
+    from here by ``scripts/gen_config_docs.py``; a CPU test fails when either page is stale.
+    ``accepts`` says what is accepted where the parser refuses nothing (the docs otherwise take
+    it from the parser's own error message).
+    """
+
     var: str
     default: str
     parse: Callable[[str, str], object]
     field: str
-    doc: str
+    short: str
+    long: str = ""
+    accepts: str = ""
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(ENABLE_VAR, "0", _parse_models, "models",
-            "Turns the plugin on: unset/0 off; 1/all every model; or a comma list of "
-            + ", ".join(MODEL_KEYS) + "."),
+            "Turns the plugin on: unset or `0` off; `1` or `all` every model; or a comma list of "
+            + ", ".join(f"`{k}`" for k in MODEL_KEYS) + ".",
+            "The model keys are the rows of `models.py`. The plugin registers under both "
+            "`vllm.general_plugins` and `vllm_omni.general_plugins`; the variable reaches "
+            "vLLM-Omni's worker processes through the environment. A `VLLM_PLUGINS` allow-list "
+            "must name `vllm_omni_graphdecode` too "
+            "([serving](serving.md#how-the-plugin-is-loaded-and-vllm_plugins))."),
     Setting("VLLM_OMNI_GRAPHDECODE_VERIFY", "0", _parse_bool, "verify",
-            "1: the first replay of every new graph is checked against the eager step; a mismatch "
-            "disables that graph (WARNING) and the request goes on eagerly. Costs one eager step "
-            "per new graph."),
+            "`1`: the first replay of every new graph is compared with the eager step; a mismatch "
+            "disables that graph (WARNING) and the request goes on eagerly.",
+            "Costs one eager step per new graph. A sampling text loop's graph is compared with "
+            "the eager step drawing from the same generator state. What the WARNING says: "
+            "[reading the log]"
+            "(reading-the-log.md#warning-lines-what-runs-slower-and-what-to-change)."),
     Setting(PRECAPTURE_VAR, "1", _parse_bool, "precapture",
-            "1: at model load, capture SenseNova-U1's decode graphs for the pre-capture buckets "
-            "and compile Qwen-Image-2.1's fast step for 1024x1024, so the first request pays "
-            "neither. 0: both on first use."),
+            "At model load, capture SenseNova-U1's decode graphs for the pre-capture buckets and "
+            "compile Qwen-Image-2.1's 1024x1024 fast step; `0`: both on first use.",
+            "With it the first request decodes at the steady speed and pays no compile; the load "
+            "line says how long the captures took and how much device memory they hold "
+            "([reading the log](reading-the-log.md#the-load-line)). Why it is on: "
+            "[performance](performance.md#how-each-default-was-set)."),
     Setting("VLLM_OMNI_GRAPHDECODE_FA_VERSION", "auto", _choice("auto", "2", "3"), "fa_version",
-            "FlashAttention version for paged decode: auto (FA3 on Hopper when the build has it, "
-            "else FA2), 2 or 3."),
+            "FlashAttention for SenseNova-U1's one-request paged decode: `auto` (FA3 on Hopper "
+            "when vllm's build has it, else FA2), `2` or `3`.",
+            "The batched step (`--max-num-seqs` above 1) always runs vLLM's Triton decode "
+            "attention with a fixed split per row, so that a row's result does not depend on "
+            "its neighbours. `python -m vllm_omni_graphdecode doctor` names the kernel that "
+            "runs. Why FA3: [performance](performance.md#how-each-default-was-set)."),
     Setting("VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE", "defer", _choice("defer", "takeover"),
             "sensenova_intree",
-            "vllm-omni >= 0.30 ships its own SenseNova-U1 paged decode: defer leaves it in charge; "
-            "takeover replaces its decode context with this plugin's."),
+            "vllm-omni 0.30 and newer: `defer` leaves its in-tree SenseNova-U1 paged decode in "
+            "charge; `takeover` puts the plugin's decode context and step in its place.",
+            "`defer` applies to a server that decodes one request at a time. Under "
+            "`--max-num-seqs` above 1 (batched decode) or with `VLLM_OMNI_GRAPHDECODE_FP8` naming "
+            "`sensenova_decode`, the plugin's decode serves whatever this says (the in-tree step "
+            "has neither); the two never run together. vllm-omni 0.24-0.28 have no in-tree "
+            "decode. Why `defer`: [performance](performance.md#how-each-default-was-set)."),
     Setting(TOKENS_PER_LAUNCH_VAR, "8", _tokens_per_launch, "tokens_per_launch",
-            "SenseNova-U1 think/text decode: tokens decoded per graph launch, each next token "
-            "chosen on the device (the loop's argmax, or for a sampling text loop its softmax + "
-            "multinomial at its temperature), the loop's stop tokens and limit checked once per "
-            "launch (tokens past a stop are discarded with their K/V). 1: one launch and one host "
-            "sync per token, the loop picking each token itself."),
+            "SenseNova-U1 think/text decode: tokens per graph launch (1 to 64), each next token "
+            "chosen on the device; stop tokens and the limit are checked once per launch.",
+            "Each next token is the loop's argmax or, for a text loop that samples (`do_sample` "
+            "with a temperature), a draw with the loop's own `softmax(logits / temperature)` and "
+            "`multinomial` from the CUDA generator: a seeded request decodes the same text with "
+            "or without a graph capture in it. Tokens decoded past a stop are discarded with "
+            "their K/V (they still draw, so the next request's draws start later than eagerly). "
+            "`1`: one launch and one host sync per token, the loop picking or drawing each token "
+            "itself. A launch records this many steps in one graph: capture time and graph "
+            "memory grow with it."),
     Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "tuned", "exact"), "sensenova_step",
-            "SenseNova-U1 decode step inside the graph: fused (the decoder layer's norms, residual "
-            "add and SiLU through vllm's fused kernels, rope tables once per step, the linear "
-            "layers' own cuBLAS GEMMs; rounds slightly differently from the model, the same in "
-            "every process), tuned (fused, with the linear layers through Inductor GEMVs tuned "
-            "by timing at load: 4% faster on the H200, but another process may round a request "
-            "differently) or exact (the model's own modules, as its eager step computes)."),
+            "SenseNova-U1's decode step in the graph: `fused` (fused norms, one-launch rope + K/V "
+            "write, cuBLAS GEMMs), `tuned` (Inductor GEMVs tuned by timing) or `exact`.",
+            "- `fused` (default): each layer's norms and first residual add through vllm's fused "
+            "kernels, on vllm-omni 0.24-0.28 the rope tables once per step, the q/k norm + rope "
+            "and the paged K/V write as one launch (`hooks/sensenova_u1/rope_store.py`, the same "
+            "bits as vllm-omni's rope kernel followed by vLLM's writer), the linear layers the "
+            "modules' own (cuBLAS). It rounds slightly differently from the model's own step, "
+            "the same in every process.\n"
+            "- `tuned`: `fused` with the linear layers through Inductor's GEMVs and the MLP's "
+            "SiLU-and-multiply, down projection and residual add as one Inductor kernel, "
+            "compiled at load with pre-capture. Faster, but the GEMVs pick their block sizes by "
+            "timing, so another process may round a request differently and two servers can "
+            "answer it differently.\n"
+            "- `exact`: the model's own modules, as its eager step computes.\n\n"
+            "With `--max-num-seqs` above 1 the batched step runs the `fused` parts with cuBLAS "
+            "whatever this says: its kernels must reduce each row alike at any batch and in any "
+            "process. Speed of each: [performance](performance.md#how-each-default-was-set)."),
     Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph", "fast"), "sensenova_denoise",
-            "SenseNova-U1 image denoising: graph replays each CFG branch's step (the pipeline's "
-            "own code, over static prefix + image K/V buffers per request branch) as a CUDA "
-            "graph, bit for bit the pipeline's result; fast replays a restated step instead "
-            "(Inductor-fused elementwise work, FlashAttention; 1.67x per step on 0.26, 1.20x on "
-            "0.30; rounding differs: 30.4 dB from the pipeline's image with random weights, "
-            "opt-in); off leaves the pipeline's steps as they are. graph by default: "
-            "1.41x per step on vllm-omni 0.26, 1.13x on 0.30 (H200, 1024x1024), ~0.75 GB more "
-            "peak memory. Unset while VLLM_OMNI_GRAPHDECODE_FP8 names sensenova_denoise: fast."),
+            "SenseNova-U1 denoising: `graph` replays each CFG branch's step as a CUDA graph (bit"
+            " for bit), `fast` a compiled restated step (it rounds differently), `off`.",
+            "On every vllm-omni 0.24-0.30, whether or not the in-tree decode is in charge.\n\n"
+            "- `graph` replays each CFG branch's step (cond, uncond, img_cond) as a CUDA graph "
+            "over static prefix + image K/V buffers owned by that request branch; the step is "
+            "the pipeline's own code (its image bit for bit), the rest of each denoising step "
+            "stays eager. About 0.75-0.9 GB more peak memory.\n"
+            "- `fast` replays a restated step: per layer the qkv GEMM, q/k norms and 3-D rope as "
+            "one Inductor-compiled region, the K/V written into the buffers' image rows, "
+            "FlashAttention (FA3 on Hopper) over prefix + image, and o_proj, residual, norm, MLP "
+            "and the next layer's norm as a second region, compiled in Inductor's deterministic "
+            "mode (no sum order picked by timing, so every process rounds alike). On CPU it "
+            "computes the pipeline's bits; on a GPU it rounds differently "
+            "([performance](performance.md#sensenova-u1-images)). A compile that fails, or a "
+            "layer it does not restate, falls back to the `graph` step with the reason counted.\n"
+            "- `off` leaves the pipeline's steps alone.\n\n"
+            "Unset while `VLLM_OMNI_GRAPHDECODE_FP8` names `sensenova_denoise` (or is `on`), the "
+            "mode is `fast` with its 168 linear layers W8A8 (8.11 GB of e4m3 copies); set to "
+            "`graph`, FP8 does not run there (counted as `FP8 weights need the fast denoising "
+            "mode`).\n\n"
+            "A new prompt length is a new graph, captured in the request's first step; at most 3 "
+            "idle entries stay between requests (~0.5 GB each at 1024x1024), least recently used "
+            "dropped first. With cache backends (cache-dit, TeaCache), CFG or sequence "
+            "parallelism, offload, LoRA wrappers or off CUDA a branch runs the pipeline's own "
+            "step with the reason counted."),
     Setting(SENSENOVA_BATCH_VAR, "auto", _choice("auto", "off"), "sensenova_batch",
-            "SenseNova-U1 under load: auto declares request batching (vllm-omni 0.28 and newer: "
-            "0.24 and 0.26 can lose a batch's outputs), so `vllm serve ... --omni "
-            "--max-num-seqs N` starts, and the think/text loops of the requests the engine hands "
-            "one forward decode together (up to 16 rows a batched step; a request's tokens do not "
-            "depend on what decodes beside it); with N = 1 nothing changes. off: vLLM-Omni "
-            "refuses --max-num-seqs above 1 for SenseNova-U1, as without the plugin."),
+            "SenseNova-U1 under load: `auto` lets `--max-num-seqs N` start and decodes the "
+            "requests of one forward together (vllm-omni 0.28+); `off`: the release's refusal.",
+            "With `auto` the pipeline declares request batching where vLLM-Omni's engine starts, "
+            "so `vllm serve ... --omni --max-num-seqs N` starts, and the think and text loops of "
+            "the requests the engine hands one `forward` decode together as rows of one 16-row "
+            "batched step, every request of such a server included (a batch of one too); a "
+            "request's tokens do not depend on what decodes beside it. With `N` = 1 nothing "
+            "changes. Not on vllm-omni 0.24 and 0.26, whose executor can lose a request batch's "
+            "outputs: there the server refuses `--max-num-seqs` above 1 as without the plugin, "
+            "and the log says why. How it serves: "
+            "[serving concurrently](serving.md#serving-sensenova-u1-concurrently)."),
     Setting(FP8_VAR, "off", _parse_fp8, "fp8",
-            "FP8 (e4m3) weight copies on the hot paths, opt-in: off; on (every path below but "
-            "sensenova_lm_head); or a comma list of " + ", ".join(FP8_PATHS + FP8_NAMED_ONLY)
-            + ". sensenova_decode: SenseNova-U1's "
-            "think/text decode step (fused step, one-request and batched) reads its 42 layers' "
-            "linear weights as e4m3 with a scale per output channel (one request at a time: "
-            "the plugin's one-row FP8 GEMV; batched steps: vLLM's Marlin GEMM), "
-            "bf16 activations; it rounds differently from the bf16 step (docs/performance.md, "
-            "FP8 weights); the copies take half the bytes of the layers they cover (8.1 GB for "
-            "SenseNova-U1-8B), the bf16 weights stay for prefill and fallbacks. On vllm-omni 0.30 it makes the plugin's decode "
-            "serve in place of the in-tree one. sensenova_denoise: SenseNova-U1's fast denoising "
-            "body runs the generation pathway's 168 linear layers W8A8, like qwen_image_21 (the "
-            "copies take 8.1 GB); with VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE unset it selects "
-            "the fast mode, set to graph it is counted as not run. "
-            "qwen_image_21: Qwen-Image-2.1's fast cached step "
-            "runs its 224 linear layers W8A8 (e4m3 weights with a scale per output channel, each "
-            "activation row quantised on the fly inside the compiled regions, torch._scaled_mm "
-            "with FP8 fast accumulation, as vLLM's CUTLASS FP8 kernels); "
-            "the copies take 6.98 GB beside the bf16 weights. sensenova_lm_head (named only, "
-            "never by on; with sensenova_decode): the one-request decode step's lm_head too, "
-            "through the one-row FP8 GEMV (0.62 GB of copies); it is the layer that picks the "
-            "token, so greedy tokens part from the FP8 step's sooner (docs/performance.md, FP8 "
-            "weights); a batched step (--max-num-seqs above 1) keeps the bf16 head, counted."),
+            "Opt-in FP8 (e4m3) weight copies on the hot paths: `off`, `on` (all but "
+            "`sensenova_lm_head`), or a comma list of paths. They round differently from bf16.",
+            "The copies hold one scale per output channel, are made at load from the bf16 "
+            "weights, which stay (prefill, the `exact` modes and the fallbacks read them), and "
+            "are dropped at sleep level 2 with the graphs that read them. Paths:\n\n"
+            "- `sensenova_decode`: SenseNova-U1's think/text decode step reads its 168 linear "
+            "layers as e4m3 with bf16 activations: one request at a time through the plugin's "
+            "one-row FP8 GEMV (block sizes fixed per shape, so every process rounds alike), "
+            "batched steps (`--max-num-seqs` above 1) through vLLM's Marlin GEMM. 8.1 GB of "
+            "copies for SenseNova-U1-8B. On vllm-omni 0.30 it makes the plugin's decode serve "
+            "instead of the in-tree one.\n"
+            "- `sensenova_denoise`: SenseNova-U1's `fast` denoising body runs its 168 linear "
+            "layers W8A8 (8.11 GB of copies); it selects the `fast` mode when "
+            "`VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE` is unset.\n"
+            "- `qwen_image_21`: Qwen-Image-2.1's `fast` cached step runs its 224 linear layers "
+            "W8A8 (each activation row quantised inside the compiled regions, `torch._scaled_mm` "
+            "with FP8 fast accumulation, as vLLM's CUTLASS FP8 kernels); 6.98 GB of copies.\n"
+            "- `sensenova_lm_head` (named only, never by `on`; with `sensenova_decode`): the "
+            "one-request decode step's `lm_head` too, through the one-row GEMV (0.62 GB). It is "
+            "the layer that picks the token, so `on` keeps it bf16, as vLLM's `--quantization "
+            "fp8` does; a batched step keeps the bf16 head, counted.\n\n"
+            "Layers that cannot take a copy (an active LoRA adapter, a quantised or hooked "
+            "layer), a GPU without FP8 or `..._SENSENOVA_STEP=exact` run bf16 with the reason "
+            "counted; `doctor` says which FP8 kernels run on the machine. Speed and accuracy "
+            "(random weights only): [performance](performance.md#fp8-weights)."),
     Setting(BUCKETS_VAR, "512,1024,2048,4096,8192", _int_list, "buckets",
-            "SenseNova-U1 decode length buckets (tokens). One graph per bucket; past the last, "
-            "buffers grow in steps of the gap between the last two buckets (tail step)."),
+            "SenseNova-U1 decode length buckets (multiples of 16), one graph each; past the last, "
+            "buffers grow in steps of the gap between the last two buckets.",
+            "A sequence decodes in the smallest bucket that holds it and moves up as it grows. "
+            "Past the last bucket the buffers grow by a fixed tail step (4096 by default), not "
+            "by doubling: a long think edit then pays a few reallocations and captures, not one "
+            "per doubling."),
     Setting(PRECAPTURE_BUCKETS_VAR, "", _int_list_or_unset, "precapture_buckets",
-            f"Buckets captured at model load when pre-capture is on (a think request reaches "
-            f"these); each must be one of {BUCKETS_VAR}. Unset: those buckets up to "
-            f"{PRECAPTURE_UP_TO}."),
+            f"Buckets captured at load, each one of `{BUCKETS_VAR}`; unset: those up to "
+            f"{PRECAPTURE_UP_TO} (`512,1024,2048` by default).",
+            "A think request (1,024 tokens from a prompt of a few hundred) passes through these. "
+            "Their graphs stay when a longer request needs more room: it moves to buffers of its "
+            "own, so the next short request captures nothing. Checked only with pre-capture on: "
+            "a bucket not among the buckets stops start-up naming both variables."),
     Setting("VLLM_OMNI_GRAPHDECODE_QWEN_MODE", "fast", _choice("fast", "exact"), "qwen_mode",
-            "Qwen-Image-2.1 cached steps: fast (FlashAttention over one prefix + target K/V buffer, "
-            "the block's elementwise work fused by torch.compile, captured as a graph; rounding "
-            "differs from diffusers) or exact (diffusers' own block code captured as a graph: bit "
-            "for bit diffusers' output)."),
+            "Qwen-Image-2.1 cached steps: `fast` (FlashAttention 3 over one prefix + target K/V "
+            "buffer, Inductor-fused elementwise work; rounds differently) or `exact`.",
+            "- `fast`: each entry holds one prefix + target K/V buffer (each layer writes its "
+            "target K/V into the tail, no `torch.cat`), attention through vllm's FlashAttention "
+            "3 (FA2 elsewhere, SDPA last), the block's elementwise work fused by torch.compile "
+            "in Inductor's deterministic mode, all captured as one graph. Rounds differently "
+            "from diffusers ([performance](performance.md#qwen-image-21)). With pre-capture on "
+            "it is compiled at load for 1024x1024; prompts of other lengths never recompile.\n"
+            "- `exact`: diffusers' own block code captured as a graph, equal to diffusers bit "
+            "for bit.\n\n"
+            "A part that cannot run (no FlashAttention build, no Triton, a failed compile) is "
+            "logged once with its reason and the step falls back to the next kernel or to "
+            "`exact`."),
     Setting("VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES", "16", _positive_int, "max_entries",
-            "Qwen-Image-2.1: most prefix-graph entries kept (LRU). Each live request branch "
-            "(cond, uncond) holds one; 16 covers --max-num-seqs 8 with true CFG."),
+            "Qwen-Image-2.1: most prefix-graph entries kept (LRU); each live request branch holds "
+            "one, so 16 covers `--max-num-seqs 8` with true CFG.",
+            "An idle entry keeps its buffers: at the real shape about 2.3 GB for a 1024x1024 "
+            "text-to-image entry and 6.6 GB for a two-reference edit in the fast mode (prefix "
+            "and target K/V), 0.1 and 4.4 GB in the exact mode (prefix only). Lower it on a GPU "
+            "short of memory."),
     Setting("VLLM_OMNI_GRAPHDECODE_STATS_FILE", "0", _path_or_off, "stats_file",
-            "A path: every process that wires a model or counts an event writes its stats "
-            "snapshot there as JSON ({pid} is replaced by the process id): after each wiring, at "
-            "most once a second while counting, and at exit. The counters live in vllm-omni's "
-            "worker process, out of reach of the client; this makes them readable. 0: off."),
+            "A path: each process that wires a model or counts an event writes its counters there "
+            "as JSON (`{pid}`: the process id); `0` off.",
+            "Written after each wiring, at most once a second while counting (the last second's "
+            "counts when it ends) and at exit. The counters live in vLLM-Omni's worker process, "
+            "which no client reaches. Put `{pid}` in the path when several processes count "
+            "(workers, forked children): without it they write over one file; a forked child's "
+            "file starts from its parent's record at the fork. Read them with "
+            "`python -m vllm_omni_graphdecode stats DIR` "
+            "([reading the log](reading-the-log.md#counters-and-the-stats-command)).",
+            accepts="a path (`{pid}` is replaced by the process id); `0`, `off`, `false`, `no` "
+                    "or empty: off"),
 )
 
 

@@ -22,8 +22,8 @@ capture routine with recovery, one verify comparison.
 4. On any failure, repair what a failed capture leaves (``recover_failed_capture``) and raise
    ``CaptureFailed`` from the original error (``.oom`` says whether it was memory).
 
-While a graph records, Python's cyclic garbage collector is off (``_recording``). torch no longer
-collects before a capture (its ``torch.cuda.graph`` does only under
+While a graph records, Python's cyclic garbage collector is off (``_recording``). torch does not
+collect before a capture (its ``torch.cuda.graph`` does only under
 ``torch.compiler.config.force_cudagraph_gc``), so a collection that the capture's own Python
 allocations start may free a dead object holding a CUDA graph, say a dropped pipeline's runner in
 a reference cycle. Destroying a graph is illegal while this thread captures, and the capture is
@@ -55,16 +55,12 @@ What is left open. A capture that fails leaves vLLM's pool marked as recording i
 cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of the
 plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
 "beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). That is torch's:
-``capture_end`` raised before it ended the pool's marks. pytorch/pytorch#180395 (April 2026, on the
-2.12 release branch) fixes it where ``cudaStreamEndCapture`` itself fails, as here; a failure
-before the end is pytorch/pytorch#190308 (open in July 2026). vllm 0.30 pins torch 2.13, the GPU
-host runs 2.11 (and 2.13 from a bundle since h200-2026-12-02b, where vllm-omni 0.30's own engine
-runs with the plugin off). Moving the plugin's graphs to a pool of their own (c78d4a4, vLLM's pool
-keeping only an anchor) was tried and taken back after the 0.30 decode GPU file stopped inside
-the in-tree decode's first FlashAttention call (results h200-2026-12-02). That stop was vLLM's FA2
-compiling its PTX on a machine where nothing had called it before (128 s for the first call,
-h200-2026-12-02b, scripts/gpu/warm_fa2.py), not the pool; with FA2 warm, the design here passed
-the same file. The own pool has not run with FA2 warm.
+``capture_end`` raised before it ended the pool's marks. pytorch/pytorch#180395 (on the 2.12
+release branch) fixes it where ``cudaStreamEndCapture`` itself fails, as here; a failure before
+the end is pytorch/pytorch#190308 (open). vllm 0.30 pins torch 2.13. A pool of the plugin's own
+would keep the in-tree decode's pool clean; it is not used because the graphs in vLLM's pool pass
+every GPU file, and an own pool has not been measured since (docs/performance-history.md,
+"Measured and taken back").
 """
 
 from __future__ import annotations

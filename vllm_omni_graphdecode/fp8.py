@@ -25,7 +25,8 @@ activations, the same copies' values), 2.44 ms for the chain against Marlin's 3.
 (``Fp8Linears(one_row=True)``). Marlin's
 configuration is chosen from the shape by fixed rules (no timing at load) and its reduction
 across thread blocks runs in a fixed order (``use_atomic_add`` stays off, vLLM's default), so
-every process rounds a request the same way (issue #22's lesson); a step at a fixed row count
+every process rounds a request the same way (a configuration tuned by timing could differ
+between processes, and with it a request's rounding); a step at a fixed row count
 (the batched step's 16 rows) computes each row the same whatever the others hold.
 
 Quantisation: per output channel (one scale a weight row, ``amax / 448``), once, when the step

@@ -11,32 +11,23 @@ plain one: each program owns ``BLOCK_N`` output channels of one row, streams the
 rows ``BLOCK_K`` bytes at a time, widens them to fp32 in registers against the bf16 activations,
 and reduces once at the end; the per-channel scale and the bias are applied in fp32 before the
 one bf16 rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in the same run
-(``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``); the decode step 4.01 ms a token on
-vllm-omni 0.26 (Marlin 5.06) and 4.16 on 0.30 (Marlin 5.21). ``Fp8GemvWeight.mlp_tail`` runs a
-SwiGLU MLP's SiLU-and-multiply, down projection and residual add as one launch (a gain within
-noise: every down program recomputed the SiLU of the whole row, 16.9 us a call against 14.9
-plain in the profile). A gate-up copy made with ``swiglu`` keeps each gate row beside its up row,
-so its own launch ends in silu(gate) * up (``Fp8GemvWeight.swiglu``, the kernel's SWIGLU_OUT) and
-the down launch reads that row plainly (``add_to``): the same roundings, each SiLU computed
-once. Tried and reverted twice: the residual add, the RMSNorm and the SiLU-and-multiply folded
-into the gate-up launch (d30fc3f: each program read and reduced the whole row before streaming its
-weights; the step did not move), then with the squares summed inside the weight loop and the
-input RMSNorm folded into qkv too (d521024, ``benchmarks/results/h200-2026-12-01i``): gate-up
-took 34.0 us a call against 33.5 with the pre-pass (the pre-pass was not the cost) and 27.8
-plain, qkv 10.2 against 8.7 plus a 2.4 us norm; the step 3.87 ms against 3.93, within what two
-machines differ by. Tried and reverted a third time (f015ab0,
-``benchmarks/results/h200-2026-12-03``), both changing no bit: the next one or two weight blocks
-loaded while a block is multiplied, 1.3-2x slower at every shape (o_proj 10.6 us against 6.7 at
-its block sizes, 8.5 at the best others), and programmatic dependent launch (the kernel starts
-as the one before it ends, loads its first blocks, then waits to read its input): the step's
-GEMVs as one chain 2.56 against 2.61 ms, the decode step 4.10 ms/token against 3.86 and 3.88
-without it on the same machine.
+(``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``).
+
+A gate-up copy made with ``swiglu`` keeps each gate row beside its up row, so its own launch ends
+in silu(gate) * up (``Fp8GemvWeight.swiglu``, the kernel's SWIGLU_OUT) and the down launch reads
+that row plainly (``add_to``): the same roundings, each SiLU computed once (the down launch 15.0
+us a call against 16.9 when each of its programs recomputed the SiLU of the whole row,
+``benchmarks/results/h200-2026-12-03c``). ``Fp8GemvWeight.mlp_tail`` (the SiLU-and-multiply, down
+projection and residual add in the down launch) serves where the gate-up copy has no paired rows.
+The norms stay outside the launches, and weight blocks are not loaded ahead: neither measured
+faster (docs/performance-history.md, "Measured and taken back").
 
 What it guarantees:
 
 * Fixed order. The block sizes come from the weight's shape alone (``config_for``, no timing
   at load), and each output is one program's fp32 sum in a fixed order: every process rounds a
-  request the same way (issue #22's lesson from Inductor's timed tuning).
+  request the same way (block sizes tuned by timing can differ between processes, and so can
+  the rounding of a request).
 * Rows do not mix. Rows are a grid dimension, so row ``m`` of an ``M``-row call is computed by
   the same program as a one-row call, bit for bit. More rows read the weight again per row
   (through L2 when their programs run together): it is a one-row kernel, and the batched step's

@@ -2,8 +2,8 @@
 
 Why: at one token a decoder layer's linear layers are GEMVs that must read their weights once,
 and cuBLAS does not reach the bandwidth the GPU has for the small ones. Measured on the H200
-inside CUDA graphs at SenseNova-U1's shapes (``benchmarks/gemv.py``,
-``benchmarks/results/h200-2026-12-01/gemv.json``; read bandwidth of a graphed sum 4.33 TB/s):
+inside CUDA graphs at SenseNova-U1's shapes (``benchmarks/results/h200-2026-12-01/gemv.json``;
+read bandwidth of a graphed sum 4.33 TB/s):
 
     shape (N x K)        cuBLAS    Inductor, coordinate-descent tuned reduction
     o_proj 4096x4096     12.5 us   9.2 us
@@ -22,17 +22,17 @@ this belongs to the fused step, never to the exact one.
 
 Opt-in (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=tuned``): the reduction's block sizes are tuned by
 timing at first use, and two processes can pick different ones and so round the same request
-differently (issue #22: two engine runs with these GEMVs parted at think token 693). Measured on
-the H200, SenseNova-U1's fused step at context 2048 (``benchmarks/probes/decode_step_probe.py``,
-``benchmarks/results/h200-2026-12-01e/``): tuned 5.88 ms/token, the modules' own cuBLAS GEMMs
-6.14, Inductor's deterministic mode (``deterministic``: each reduction's configuration fixed by
-its heuristics) 7.50. So the default fused step runs cuBLAS, the same in every process, and the
+differently (two engine runs of one request with these GEMVs parted at think token 693).
+Measured on the H200, SenseNova-U1's fused step at context 2048
+(``benchmarks/results/h200-2026-12-01e/step-probe-0.26``): tuned 5.88 ms/token, the modules'
+own cuBLAS GEMMs 6.14, Inductor's deterministic mode (``deterministic``: each reduction's
+configuration fixed by its heuristics) 7.50. So the default fused step runs cuBLAS, the same in every process, and the
 tuned GEMVs are the 4% faster mode for one process's own consistency only.
 
 A LoRA wrapper of vllm-omni whose adapter is not active on a layer computes exactly its base
 layer (``DiffusionBaseLinearLayerWithLoRA.apply`` skips the adapter's matmuls), so it runs the
-base layer's GEMV here: a base request after a LoRA request decodes as it did before the
-adapter's wrappers were put in (issue #22).
+base layer's GEMV here: a base request after a LoRA request decodes as a base request on a
+model without the adapter's wrappers.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ captured CUDA graph serve every length inside a bucket. vllm ships such a kernel
 
 Why pass ``fa_version`` explicitly: the function defaults to FA2, and vllm-omni 0.30's own
 SenseNova paged decode calls it without the argument, so it runs FA2 on Hopper. Measured on an
-H200 (README, "How each default was set"; ``benchmarks/results/h200-2026-11-30b/bench-attn.json``):
+H200 (docs/performance.md, "How each default was set";
+``benchmarks/results/h200-2026-11-30b/bench-attn.json``):
 FA3 paged varlen at 32 q heads / 8 KV heads / d 128 costs 9.9-18.2 us per call as a graph replay
 (context 512-8192) against FA2's 10.5-24.4 and FlashInfer's 16.5-30.3. The FA2 library has no
 sm_90 machine code in vllm's wheel: its first call JIT-compiles PTX for ~100 s.

@@ -8,7 +8,9 @@ FA2's first half) to ~58 MiB, which leaves the tree ~6 MiB: too little once the 
 project grow. Folder 1 (the complete 0.26 stack) is left alone so it still runs by itself; the
 parts of folders 2.. are moved (whole files, checksums unchanged) so the largest folder is as
 small as it can be, and every copy of ``MANIFEST.json`` says where each part now lives, which is
-all ``unpack.py`` reads. Idempotent.
+all ``unpack.py`` reads besides ``this_folder``: each folder's copy keeps its own number, since
+``unpack.py`` finds its siblings (and the parts it holds) from it, and a folder carried alone in a
+call has no sibling to learn it from. Idempotent.
 """
 
 from __future__ import annotations
@@ -66,9 +68,10 @@ def main(argv=None) -> int:
                 if os.path.exists(src):
                     shutil.move(src, dst)
                 p["folder"] = placed[p["file"]]
-    for folder in folders.values():
+    for k, folder in folders.items():
         with open(os.path.join(folder, "MANIFEST.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
+            json.dump(dict(manifest, this_folder=k), f, indent=1)
+            f.write("\n")
     tree = args.tree_mib * MIB if args.tree_mib is not None else tree_bytes(
         os.path.dirname(first))
     worst = 0

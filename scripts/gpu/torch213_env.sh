@@ -1,4 +1,4 @@
-# Sourced (by run_suite.sh, torch_session.sh and suite213_session.sh) for a run of the 0.30 stack
+# Sourced (by run_suite.sh, and so by run.py's torch 2.13 steps) for a run of the 0.30 stack
 # on torch 2.13, the torch vllm 0.30 pins, from the .gpu-bundle-torch-N folders
 # (build_torch_bundle.py) instead of the host's 2.11. Needs $site (the bundle's /tmp/site); sets
 # $torch_site and $omni_site (the 0.30 tree to put on PYTHONPATH) and exports what torch 2.13

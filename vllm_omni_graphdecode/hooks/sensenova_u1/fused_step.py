@@ -7,7 +7,8 @@ Why: at batch 1 a SenseNova-U1 decoder layer's four GEMVs read ~380 MB (~90 us a
 bandwidth); around them the 0.24-0.28 model code launches ~50 small kernels (three rope-table
 computations of ~10 kernels each, two RMSNorms of 8, SiLU-and-multiply, residual adds), 2-3 us
 each even inside a CUDA graph: about half of a graphed step. Measured on the H200
-(docs/performance.md, "Where the time goes"): the model's own step ~2,500 kernels a token,
+(docs/performance-history.md, "The decode step, change by change"): the model's own step
+~2,500 kernels a token,
 9.9 ms at context 2048; this step 6.14 ms (``benchmarks/results/h200-2026-12-01e/``).
 
 What it does: on 0.24-0.28 the rope tables are computed once per step for all 42 layers

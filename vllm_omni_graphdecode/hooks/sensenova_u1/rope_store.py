@@ -1,14 +1,14 @@
 """SenseNova-U1's q/k norm + 3-D rope and the paged K/V write of a decode step as one launch:
 HAND-WRITTEN Triton, because no library kernel writes this model's roped keys into a paged cache.
 
-Why: after each layer's qkv GEMV the fused step ran two small kernels, vllm-omni's
-``triton_qk_norm_rope`` (1.68 us a layer) and vLLM's ``reshape_and_cache_flash`` (2.02 us), 84
-launches a token at 42 layers. In the FP8 step's profile on the H200 (context 2048, 467 kernels,
-3.58 ms busy, ``benchmarks/results/h200-2026-12-03/profile-fp8-lmhead-0.26``) that pair is 0.16
-ms a token plus a launch gap. vllm-omni's kernel returns new query and key tensors and cannot
-write into the cache (its output pointer would be fixed at capture, while the slot moves every
-step); vLLM's FA3 builds here are compiled without append-K/V (``FLASHATTENTION_DISABLE_APPENDKV``),
-so the write cannot ride on the attention call either. This kernel reads the slot from a device
+Why: otherwise each layer's qkv GEMV is followed by two small kernels, vllm-omni's
+``triton_qk_norm_rope`` (1.68 us a layer on the H200) and vLLM's ``reshape_and_cache_flash``
+(2.02 us), 84 launches a token at 42 layers, 0.16 ms a token plus their launch gaps in the FP8
+step; this launch takes 1.88 us a layer (``benchmarks/results/h200-2026-12-03c/profile-0.26``).
+vllm-omni's kernel returns new query and key tensors and cannot write into the cache (its
+output pointer would be fixed at capture, while the slot moves every step); vLLM's FA3 builds
+here are compiled without append-K/V (``FLASHATTENTION_DISABLE_APPENDKV``), so the write cannot
+ride on the attention call either. This kernel reads the slot from a device
 tensor at replay, like ``reshape_and_cache_flash`` does.
 
 What it computes, per token row and head, from the qkv GEMV's output row (q heads, then k heads,
