@@ -22,7 +22,7 @@ import torch
 
 from qwen_tiny import GPU_CONFIG, at_step, cached_call, cached_reference, extract, request
 from qwen_tiny import tiny_transformer
-from vllm_omni_graphdecode import config, reasons, stats
+from vllm_omni_graphdecode import config, fp8, reasons, stats
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise
@@ -129,10 +129,10 @@ def test_gpu_qwen_a_hook_on_one_projection_after_capture_runs_and_equals_diffuse
 
 # -- SenseNova-U1 decode -------------------------------------------------------------------------
 
-def _decode_pipeline(gpu):  # noqa: F811
+def _decode_pipeline(gpu, **env):  # noqa: F811
     # No pre-capture: both requests then start from a fresh decoder (the second one's, after the
     # move, is made anew), so they run the very same allocations and kernels.
-    return _pipe(gpu, cfg=_decode_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
+    return _pipe(gpu, cfg=_decode_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0", **env))
 
 
 def _same_bit_for_bit(got, want):
@@ -142,8 +142,18 @@ def _same_bit_for_bit(got, want):
         assert torch.equal(a, b), f"step {i}: {(a - b).abs().max()}"
 
 
-def test_gpu_decode_a_to_round_trip_between_requests_recaptures_and_decodes_bit_for_bit(gpu):  # noqa: F811
-    pipe = _decode_pipeline(gpu)
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_gpu_decode_a_to_round_trip_between_requests_recaptures_and_decodes_bit_for_bit(
+        gpu, weights):  # noqa: F811
+    """With FP8 weights the step reads the plugin's e4m3 copies, which stay where they are; each
+    is quantised again in place from its moved bf16 weight (same values, the same copy)."""
+    env = {}
+    if weights == "fp8":
+        why = fp8.available("cuda")
+        if why is not None:
+            pytest.skip(why.describe())
+        env = {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}
+    pipe = _decode_pipeline(gpu, **env)
     first = _think(pipe, gpu.ids, 100)
     captures, replays = stats.get(DECODE, "capture"), stats.get(DECODE, "replay")
     assert captures > 0 and replays > 0
