@@ -27,12 +27,17 @@ Per request and branch
     so two requests in flight never share prefix buffers. At the branch's first step the prefix
     rows are copied into the entry and the cache's ``flash_*`` buffers are re-pointed at the
     entry's (no second copy of the K/V lives while the request runs); the entry goes back to the
-    pool when ``_run_denoising_loop`` returns. The timestep, the image embeddings and the latents
-    are copied into the entry's step buffers each step.
+    pool when ``_run_denoising_loop`` returns or raises. The timestep, the image embeddings and
+    the latents are copied into the entry's step buffers each step. Every branch step first checks
+    an ``eligibility.Watch`` on what the step reads (the language model, the flow-matching head,
+    the denoising adapter) in constant time: a hook, adapter or compile added, or weights moved
+    by ``.to()``, drops every entry (weights moved: counted under ``WEIGHTS_MOVED``), and each
+    branch is gated and bound again at its next step.
 
 Counted under ``sensenova_u1_image``: ``capture``, ``replay``, ``static_step`` (the static-buffer
-step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step), and
-each fallback by its reason, once per request branch.
+step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step),
+``structure_changed`` (entries dropped for a change other than weights moved), and each fallback
+by its reason, once per request branch.
 
 Measured (H200, 1024x1024, 50 steps, CFG 4): a step of both branches with and without the graph,
 on vllm-omni 0.26 (its generation path launches thousands of kernels a branch step: the eager step
