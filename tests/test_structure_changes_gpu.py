@@ -215,3 +215,24 @@ def test_gpu_denoise_a_pipeline_to_round_trip_between_requests_recaptures_bit_fo
     assert stats.get(IMAGE, "capture") == 4 and stats.get(IMAGE, "replay") == 2 * 2 * 3
     assert moves(IMAGE) == 1 and stats.fallbacks(IMAGE) == {}
     del taken
+
+
+def test_gpu_batched_a_to_round_trip_between_forwards_recaptures_and_answers_bit_for_bit(
+        checkpoint):  # noqa: F811
+    """The batched decode: the launches captured before the move are dropped, the next forward
+    captures them again and every answer (greedy, and sampled from its own stream) is the one
+    before the move."""
+    from test_sensenova_batch_gpu import _answer, _batch, _mixed
+    from test_sensenova_batch_gpu import _pipeline as batch_pipeline
+
+    pipe = batch_pipeline(checkpoint)
+    requests = _mixed()[:4]  # the text answers
+    first = [_answer(o) for o in pipe.forward(_batch(requests))]
+    captures = stats.get(DECODE, "batch_capture")
+    assert captures >= 1
+    taken = round_trip(pipe.language_model)
+    second = [_answer(o) for o in pipe.forward(_batch(requests))]
+    assert second == first
+    assert stats.get(DECODE, "batch_capture") > captures
+    assert moves(DECODE) == 1
+    del taken
