@@ -390,3 +390,38 @@ def test_fast_mode_compile_failure_captures_the_exact_step_instead(monkeypatch):
     assert stats.get(MODEL, "capture") == 1 and stats.get(MODEL, "replay") == 3
     assert f"{MODEL}: {cached_step.FAST_NOT_HERE.key}" in stats.degraded_paths(MODEL)
     assert stats.fallbacks(MODEL) == {}
+
+
+def test_a_failed_capture_stays_eager_until_sleeps_release_then_the_next_request_replays():
+    """A host sync inside the step makes its first capture fail for real (repaired: stream,
+    generator, a fresh pool). That shape then runs diffusers' own forward, also for the next
+    request; after ``release_graphs`` (what sleep level 2 calls) the next request captures and
+    replays, equal to diffusers bit for bit."""
+    model = gpu_model()
+    kwargs = request(model, text_tokens=TEXT, target_shape=TARGET)
+    wiring = qwen.enable(model)
+    step_fn, failed = wiring.graphs.step_fn, []
+
+    def host_sync_in_the_first_capture(bufs):
+        out = step_fn(bufs)
+        if torch.cuda.is_current_stream_capturing() and not failed:
+            failed.append(1)
+            out.sum().item()  # not allowed while capturing
+        return out
+
+    wiring.graphs.step_fn = host_sync_in_the_first_capture
+
+    def one_request():
+        cache = extract(model, kwargs)
+        for s in (1, 2):
+            got = cached_call(model, at_step(kwargs, s), cache)
+            assert torch.equal(got, cached_reference(model, at_step(kwargs, s), cache)), s
+
+    one_request()
+    assert failed == [1] and prefix_graph.CAPTURE_FAILED.key in fallback_reasons()
+    one_request()  # the shape stays eager: no capture tried
+    assert stats.get(MODEL, "replay") == 0 and stats.get(MODEL, "eager_step") == 4
+    wiring.release_graphs()
+    one_request()
+    assert stats.get(MODEL, "capture") == 1 and stats.get(MODEL, "replay") == 2
+    assert stats.get(MODEL, "eager_step") == 4

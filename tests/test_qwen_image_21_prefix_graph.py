@@ -184,7 +184,7 @@ def test_oom_with_nothing_to_give_back_makes_the_shape_eager(monkeypatch):
     g = graphs()
     assert g.bind(Owner(), key(), *inputs(1)) is None
     monkeypatch.undo()
-    assert g.bind(Owner(), key(), *inputs(2)) is None  # eager for the rest of the process
+    assert g.bind(Owner(), key(), *inputs(2)) is None  # eager until a release (sleep)
     assert g.info()["eager_keys"] == 1 and pg.OOM.key in reasons()
 
 
@@ -230,3 +230,72 @@ def test_a_release_before_the_step_reads_its_entry_returns_none_with_its_reason(
     g.release_all()  # sleep, between the caller's lookup and its run
     assert g.run(entry, ia[2]) is None
     assert pg.RELEASED.key in reasons()
+
+
+# -- sleep (release_all) and what it lets capture again ------------------------------------------
+
+class _CpuGraph:
+    """Stands in for a CUDA graph on CPU, where none can be captured: ``replay`` runs the step
+    again into the captured output buffer, as a replay overwrites it."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.output.copy_(self.fn())
+
+
+def _capture_failing_first(monkeypatch, oom=False):
+    """``cuda_graphs.capture`` whose first call fails (a capture error, or out of memory inside
+    the capture) and whose later calls record a ``_CpuGraph``."""
+    calls = []
+
+    def capture(fn, device=None, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            cause = torch.OutOfMemoryError("injected") if oom else RuntimeError("injected")
+            try:
+                raise cause
+            except Exception as exc:
+                raise cuda_graphs.CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
+        graph = _CpuGraph(fn)
+        graph.output = fn()
+        return cuda_graphs.Captured(graph, graph.output, graph.output.clone())
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    return calls
+
+
+@pytest.mark.parametrize("oom", [False, True], ids=["capture_failed", "out_of_memory"])
+def test_a_shape_that_failed_to_capture_runs_eagerly_until_release_all_then_replays(
+        monkeypatch, oom):
+    calls = _capture_failing_first(monkeypatch, oom=oom)
+    g = pg.PrefixGraphs(MODEL, sum_step, max_entries=4, capture=True)
+    a = Owner()
+    ia = inputs(1)
+    assert g.run(g.bind(a, key(), *ia), ia[2]) is None  # the failed capture: eager
+    b = Owner()
+    assert g.bind(b, key(), *inputs(2)) is None  # sticky: the shape stays eager
+    assert g.info()["eager_keys"] == 1 and calls == [1]
+    assert (pg.OOM if oom else pg.CAPTURE_FAILED).key in reasons()
+    g.release_all()  # sleep level 2
+    assert g.info()["eager_keys"] == 0
+    c = Owner()
+    ic = inputs(3)
+    entry = g.bind(c, key(), *ic)
+    assert torch.equal(g.run(entry, ic[2]), expected(*ic))  # captured now, and replayed
+    assert torch.equal(g.run(entry, inputs(4)[2]), expected(ic[0], ic[1], inputs(4)[2]))
+    assert calls == [1, 1] and stats.get(MODEL, "capture") == 1
+    assert stats.get(MODEL, "replay") == 2
+
+
+def test_a_verify_mismatch_stays_eager_after_release_all():
+    g = graphs(verify=True)
+    a = Owner()
+    ia = inputs(1)
+    entry = g.bind(a, key(), *ia)
+    eager = expected(*ia)
+    g._verify(entry, eager + 1.0, eager)
+    g.release_all()
+    assert g.bind(Owner(), key(), *inputs(2)) is None  # the step body disagreed: for the process
+    assert g.info()["eager_keys"] == 1

@@ -138,6 +138,26 @@ def test_what_wiring_built_before_the_first_step_survives_it(model):
     assert stats.get(MODEL, "static_step") == 2
 
 
+def test_sleeps_release_builds_a_fast_body_that_failed_again_at_the_next_bind(model):
+    """``FAST_NOT_HERE``'s hint: a fast body that failed to build or compile runs the exact step
+    until sleep level 2 (``release_graphs``) or a structure change; then the next bind builds it
+    again."""
+    from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step
+
+    kwargs = request(model)
+    cache = extract(model, kwargs)
+    wiring = qwen.enable(model, capture=False, mode="fast", compile=False)
+    failed = fast_step.COMPILE_FAILED.because("injected")
+    wiring._fast = failed
+    step = at_step(kwargs, 1)
+    assert torch.equal(cached_call(model, step, cache), cached_reference(model, step, cache))
+    assert wiring._fast is failed  # the exact step ran (diffusers' bits)
+    wiring.release_graphs()
+    cached_call(model, at_step(kwargs, 2), cache)
+    assert not isinstance(wiring._fast, reasons.Reason)
+    assert wiring.graphs.lookup(cache).key.backend.startswith("fast:")
+
+
 def test_fp8_wires_the_fast_step_with_its_copies_and_is_counted_in_exact_mode(model):
     """``VLLM_OMNI_GRAPHDECODE_FP8`` naming qwen_image_21: the fast step's name says FP8 and its
     output moves from diffusers' (W8A8 rounding); with the exact mode it is counted as not run."""

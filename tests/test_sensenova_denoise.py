@@ -250,3 +250,55 @@ def test_a_branch_binding_after_sleeps_release_was_replaced_runs_the_pipelines_o
     assert stats.get(MODEL, "static_step") == 2 * request.num_steps
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {patching.SLEEP_UNREACHABLE.key}": 2}
     assert denoiser.graphs.info()["entries"] == 0
+
+
+def _failing_at(pipe, call: int):
+    """The plugin's branch step, raising at its ``call``-th call (after the branches bound)."""
+    step = pipe._t2i_predict_v
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise RuntimeError("injected: a request failing mid-denoise")
+        return step(*args, **kwargs)
+
+    return failing, step
+
+
+def test_a_request_that_fails_mid_denoise_gives_its_entries_back(checkpoint, eager):
+    """Its traceback keeps the request's caches (the entries' owners) alive, as an engine's error
+    path or a reference cycle may until a collection: the entries are back in the pool anyway,
+    and the next request takes them."""
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    request = CASES["t2i_cfg4"][0]
+    rm.generate_image(pipe, request)
+    entries = set(map(id, graphs._entries.values()))
+    pipe._t2i_predict_v, step = _failing_at(pipe, 3)
+    try:
+        with pytest.raises(RuntimeError, match="injected") as failed:
+            rm.generate_image(pipe, request)
+    finally:
+        pipe._t2i_predict_v = step
+    assert failed.value.__traceback__ is not None  # held: its frames hold the caches
+    assert graphs.info()["live"] == 0
+    image = rm.generate_image(pipe, request)[0]
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert set(map(id, graphs._entries.values())) == entries  # the same entries, reused
+
+
+def test_a_tensor_argument_of_the_branch_step_refuses_the_graph_with_its_reason(checkpoint):
+    """The step's non-tensor arguments are part of its key and baked into its graph; a tensor
+    among them would be read at its capture-time address. vllm-omni passes ``t_eps`` as a float;
+    given as a tensor, the branches run the pipeline's own steps, counted."""
+    request = rm.image_request(t_eps=torch.tensor(0.02), num_steps=2)
+    alone, _ = _pipeline(checkpoint)
+    want = rm.generate_image(alone, request)
+    pipe, _ = _pipeline(checkpoint, _cfg(), image_graphs=False)
+    got = rm.generate_image(pipe, request)
+    assert np.array_equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {denoise.ARGUMENTS.key}": 2}
+    assert stats.get(MODEL, "static_step") == 0
+    assert getattr(pipe, wiring.IMAGE_ATTR).graphs.info()["entries"] == 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, cuda_graphs, stats
+from vllm_omni_graphdecode import config, cuda_graphs, reasons, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
 from vllm_omni_graphdecode.testing import random_models as rm
@@ -277,3 +277,80 @@ def test_gpu_sleep_release_drops_graphs_and_the_next_request_captures_again(chec
     image, _ = _run(pipe, request)
     assert np.array_equal(image, eager["t2i_cfg4"][0])
     assert stats.get(MODEL, "capture") == 4
+
+
+def test_gpu_a_failed_capture_stays_eager_until_sleeps_release_then_the_next_request_replays(
+        checkpoint, eager):  # noqa: F811
+    """A host sync inside a branch step makes its first capture fail for real; that branch's
+    shape runs the pipeline's own step, also in the next request, until
+    ``release_captured_graphs`` (sleep level 2): then every branch step of the next request
+    replays a graph, and every image equals the pipeline's own."""
+    request = REQUESTS["t2i_cfg4"][0]
+    branch_steps = 2 * request.num_steps
+    pipe = _pipeline(checkpoint, _cfg())
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    step_fn, failed = graphs.step_fn, []
+
+    def host_sync_in_the_first_capture(bufs):
+        out = step_fn(bufs)
+        if torch.cuda.is_current_stream_capturing() and not failed:
+            failed.append(1)
+            out.sum().item()  # not allowed while capturing
+        return out
+
+    graphs.step_fn = host_sync_in_the_first_capture
+    for _ in range(2):
+        image, _ = _run(pipe, request)
+        assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert failed == [1] and graphs.info()["eager_keys"] == 1
+    assert any(reasons.CAPTURE_FAILED.key in key for key in stats.fallbacks(MODEL))
+    assert stats.get(MODEL, "replay") < 2 * branch_steps
+    pipe.release_captured_graphs()
+    replays, captures = stats.get(MODEL, "replay"), stats.get(MODEL, "capture")
+    image, _ = _run(pipe, request)
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert stats.get(MODEL, "replay") - replays == branch_steps
+    assert stats.get(MODEL, "capture") - captures == 2
+
+
+# One allocator block: the caching allocator's small segments are 2 MiB.
+ONE_BLOCK = 2 * 2**20
+
+
+def test_gpu_a_request_failing_mid_denoise_leaves_device_memory_at_its_level(checkpoint):  # noqa: F811
+    """A request raising mid-denoise, its traceback held (its frames keep its caches alive, as
+    an engine's error path or a reference cycle may until a collection): its entries are back in
+    the pool at once, the next request takes them (no capture, no new buffers), and once the
+    traceback goes device memory is where it was before the failed request, within one block.
+    768x768, so that an entry (~4 MiB) is larger than that block."""
+    from test_sensenova_denoise import _failing_at
+
+    request = rm.image_request(image_size=(768, 768), num_steps=3)
+    pipe = _pipeline(checkpoint, _cfg())
+    graphs = getattr(pipe, wiring.IMAGE_ATTR).graphs
+    _run(pipe, request)  # entries and graphs pooled
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    entry_bytes = sum(t.numel() * t.element_size() for e in graphs._entries.values()
+                      for t in [*e.buffers.request.values(), *e.buffers.step.values(),
+                                *(x for kv in e.buffers.kv for x in kv)])
+    assert entry_bytes > 2 * ONE_BLOCK  # what a kept entry would add shows above the tolerance
+    pipe._t2i_predict_v, step = _failing_at(pipe, 3)
+    try:
+        with pytest.raises(RuntimeError, match="injected") as failed:
+            _run(pipe, request)
+    finally:
+        pipe._t2i_predict_v = step
+    assert graphs.info()["live"] == 0
+    captures = stats.get(MODEL, "capture")
+    _run(pipe, request)
+    assert stats.get(MODEL, "capture") == captures  # the failed request's entries, reused
+    del failed
+    gc.collect()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    assert abs(after - before) <= ONE_BLOCK, (
+        f"{(after - before) / 2**20:.2f} MiB more than before the failed request "
+        f"(an entry holds {entry_bytes / 2**20:.2f} MiB)")
+    assert graphs.info()["entries"] == 2

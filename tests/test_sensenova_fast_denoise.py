@@ -203,3 +203,26 @@ def test_the_compiled_body_fixes_its_reductions_by_heuristics_not_by_timing(chec
     assert fast.options == {"emulate_precision_casts": True, "deterministic": True}
     assert fast.compile and fast._pre.args[0] is fast_denoise.REGIONS.select(
         "cpu", compile=True, **fast.options)[0].args[0]
+
+
+def test_after_a_compile_failure_sleeps_release_builds_the_fast_body_again(checkpoint, eager,
+                                                                            monkeypatch):  # noqa: F811
+    """``FAST_NOT_HERE``'s hint: a fast body that failed to compile is tried again after sleep
+    level 2 (``release_captured_graphs``)."""
+    pipe, _ = _pipeline(checkpoint)
+    state = getattr(pipe, wiring.IMAGE_ATTR)
+
+    def failing(*args):
+        raise fast_denoise.CompileFailed(fast_denoise.COMPILE_FAILED.because("injected"))
+
+    state.fast._pre = failing
+    request, refs = CASES["t2i_cfg4"]
+    rm.generate_image(pipe, request, refs)
+    assert fast_denoise.COMPILE_FAILED.same(state.fast)
+    rm.generate_image(pipe, request, refs)
+    assert fast_denoise.COMPILE_FAILED.same(state.fast)  # until a release
+    pipe.release_captured_graphs()
+    image, steps = rm.generate_image(pipe, request, refs)[:2]
+    assert isinstance(state.fast, fast_denoise.FastGen) and state.fast._pre is not failing
+    assert np.array_equal(image, eager["t2i_cfg4"][0])
+    assert all(torch.equal(a, b) for a, b in zip(steps, eager["t2i_cfg4"][1]))

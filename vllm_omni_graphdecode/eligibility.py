@@ -8,18 +8,25 @@ torch.compile (Dynamo would trace our step), sharded parameters. ``scan`` walks 
 and reports the first of each; each hook turns what it cares about into a ``Reason`` (the shared
 ones of ``reasons``, with the place in the detail).
 
-``scan`` is a walk: a hook runs it when a request binds, never per step. ``Watch`` is what a step
-checks instead, in constant time: it notices the structure changes that happen through a module's
-own tables (a child module replaced, a parameter replaced, a torch forward hook added) between two
-scans.
+``scan`` is a walk: a hook runs it when a request binds, or after ``Watch`` saw a change, never
+per step. ``Watch`` is what a step checks instead, in constant time: it notices the changes
+between two scans that a replay depends on and that go through torch's own paths (a child
+module, parameter or buffer replaced, a torch hook, an instance hook set by accelerate or a hook
+registry, ``module.compile()``, weights moved by ``module.to()``); its docstring lists what it
+cannot see.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import threading
+import weakref
 
 import torch
+
+from . import patching
 
 # Class names, not imports: the libraries are optional and may be absent.
 _LORA_CLASSES = ("BaseLayerWithLoRA", "BaseTunerLayer")  # vLLM's wrappers, peft's layers
@@ -187,16 +194,27 @@ def scan(root: torch.nn.Module, label: str | None = None) -> Structure:
 
 
 class _Stamp:
-    """A version number that the watched tables of a module tree bump on every change."""
+    """What the watched modules of one ``Watch`` bump: ``version`` on a structure change (a table
+    entry or a watched instance attribute set or removed), ``moved`` when ``_apply`` put one of
+    their own parameters or buffers on other storage."""
+
+    __slots__ = ("version", "moved")
 
     def __init__(self):
         self.version = 0
+        self.moved = 0
+
+
+_MISSING = object()
 
 
 def _observing(base: type) -> type:
     class Observed(base):
-        """A module's own table (children, parameters, buffers or forward hooks), unchanged but
-        for bumping its watchers' stamps when an entry is set or removed."""
+        """A module's own table (children, parameters, buffers or forward hooks), or a hook
+        registry's, unchanged but for bumping its watchers' stamps when an entry is set to
+        another object or removed. Pickled and copied as the plain table it replaced: a
+        ``torch.save(model)`` or ``copy.deepcopy(model)`` of a watched model carries nothing of
+        this module, and a deep copy is not watched."""
 
         stamps: list | tuple = ()  # the instance's own list once armed (not while it is filled)
 
@@ -204,8 +222,13 @@ def _observing(base: type) -> type:
             for stamp in self.stamps:
                 stamp.version += 1
 
+        def __reduce__(self):
+            return base, (list(base.items(self)),)
+
         def __setitem__(self, key, value):
-            self._bump()
+            # ``_apply`` writes every buffer back, most often the very tensor it held: no change.
+            if base.get(self, key, _MISSING) is not value:
+                self._bump()
             base.__setitem__(self, key, value)
 
         def __delitem__(self, key):
@@ -240,64 +263,260 @@ _OBSERVED = {dict: _observing(dict), collections.OrderedDict: _observing(collect
 # Module.__setattr__ / __delattr__ / register_* write children, parameters and buffers into these;
 # register_forward_(pre_)hook and RemovableHandle.remove write the hook tables.
 _WATCHED = ("_modules", "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks")
+# A hook registered on a hook registry that is already there writes only the registry's table:
+# (the module attribute holding the registry, the registry's table).
+_REGISTRY_TABLES = (("_diffusers_hook", "hooks"), ("_hook_registry", "_hooks"))
+# Instance attributes whose writes (set or deleted, on a watched module) are structure changes:
+# what ``module_hooks``, ``compiled`` and the K/V dtype check read, the ``forward`` that
+# accelerate's ``add_hook_to_module`` and the hook registries (diffusers', vllm-omni's) replace,
+# and the class (a swap changes the forward and what the class says). Any other attribute a
+# module writes, say one it caches during its forward, bumps nothing.
+_WATCHED_ATTRS = frozenset(_INSTANCE_ATTRS + ("forward", "_omni_original_forward", "__class__"))
+
+# id(module) -> (weak reference to it, the stamps of the watches that armed it): what the
+# wrapped ``Module._apply``, ``__setattr__`` and ``__delattr__`` bump. Kept here, not in the
+# module's instance dict, so that pickling or copying a watched module carries none of it.
+_ARMED: dict[int, tuple[weakref.ref, list]] = {}
+# Re-entrant: a weak reference's callback takes it, maybe from a collection run inside it.
+_ARMED_LOCK = threading.RLock()
+
+
+def _stamps_of(module) -> list | tuple:
+    entry = _ARMED.get(id(module))
+    if entry is None or entry[0]() is not module:  # not armed, or a dead module's reused id
+        return ()
+    return entry[1]
+
+
+def _storage(module) -> list:
+    """Where ``module``'s own parameters and buffers are: (name, address, dtype, device)."""
+    d = module.__dict__
+    found = []
+    for table in (d.get("_parameters"), d.get("_buffers")):
+        for name, t in (table or {}).items():
+            if t is None:
+                continue
+            try:
+                address = t.data_ptr()
+            except RuntimeError:  # no storage to point at (a meta or wrapper tensor)
+                address = None
+            found.append((name, id(t), address, t.dtype, t.device))
+    return found
+
+
+# torch.nn.Module's methods a watch wraps, with the leading parameters each must have.
+_MODULE_METHODS = {"_apply": ("self", "fn"), "__setattr__": ("self", "name", "value"),
+                   "__delattr__": ("self", "name")}
+_WRAP_LOCK = threading.Lock()
+
+
+def _is_ours(fn) -> bool:
+    for _ in range(16):  # follows wrappers stacked on ours (functools.wraps' __wrapped__)
+        if fn is None:
+            return False
+        if getattr(fn, "__graphdecode_watch__", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _wrap_module_methods() -> None:
+    """Wrap ``torch.nn.Module._apply``, ``__setattr__`` and ``__delattr__`` (once per process;
+    idempotent) so that each bumps the stamps of the module it runs on, if a watch armed it.
+
+    On the class, not on each instance: an instance-level ``_apply`` or ``forward`` wrapper would
+    sit in every module's instance dict, where ``torch.save(model)`` pickles it and
+    ``copy.deepcopy`` copies it to a model nobody watches. The cost for every module in the
+    process: ``__setattr__`` tests the name against a frozenset (a module caching a value during
+    its forward pays that and nothing else); ``_apply`` (``.to()``, ``.cuda()``, ``.half()``) a
+    dict lookup. Raises HookRefused when torch moved one of them."""
+    cls = torch.nn.Module
+    with _WRAP_LOCK:
+        todo = [name for name in _MODULE_METHODS if not _is_ours(cls.__dict__.get(name))]
+        if not todo:
+            return
+        originals = {name: patching.check_signature(cls, name, _MODULE_METHODS[name])
+                     for name in todo}
+        for name, original in originals.items():
+            wrapper = _WRAPPERS[name](original)
+            wrapper.__graphdecode_watch__ = True
+            setattr(cls, name, wrapper)
+
+
+def _wrap_apply(apply):
+    @functools.wraps(apply)
+    def _apply(self, fn, *args, **kwargs):
+        stamps = _stamps_of(self)
+        if not stamps:
+            return apply(self, fn, *args, **kwargs)
+        before = _storage(self)
+        try:
+            return apply(self, fn, *args, **kwargs)
+        finally:
+            # ``.to()`` rewrites ``param.data`` in place: the same Parameter on new storage, which
+            # a graph captured before would not read. A call that moved nothing bumps nothing.
+            if _storage(self) != before:
+                for stamp in stamps:
+                    stamp.moved += 1
+    return _apply
+
+
+def _wrap_setattr(setattr_):
+    @functools.wraps(setattr_)
+    def __setattr__(self, name, value):
+        # Traced by Dynamo (a compiled forward writing an attribute): the plain write.
+        if name not in _WATCHED_ATTRS or torch.compiler.is_compiling():
+            return setattr_(self, name, value)
+        before = type(self) if name == "__class__" else self.__dict__.get(name, _MISSING)
+        setattr_(self, name, value)
+        if before is not value:
+            for stamp in _stamps_of(self):
+                stamp.version += 1
+    return __setattr__
+
+
+def _wrap_delattr(delattr_):
+    @functools.wraps(delattr_)
+    def __delattr__(self, name):
+        delattr_(self, name)
+        if name in _WATCHED_ATTRS and not torch.compiler.is_compiling():
+            for stamp in _stamps_of(self):
+                stamp.version += 1
+    return __delattr__
+
+
+_WRAPPERS = {"_apply": _wrap_apply, "__setattr__": _wrap_setattr, "__delattr__": _wrap_delattr}
 
 
 class Watch:
-    """Whether a module tree's structure changed since ``settle()``, in constant time per check.
+    """Whether the structure of module trees, or where their weights live, changed since
+    ``settle()``: ``changed()`` in constant time per check.
 
-    ``arm()`` walks the tree once and gives each module's children, parameters, buffers and
-    forward-hook tables an observing copy (same type, same entries; a module already armed is
-    skipped), then settles. ``changed()`` compares a version number and the global hook counts.
+    ``Watch(root, *more)`` wraps three of ``torch.nn.Module``'s methods once per process
+    (``_wrap_module_methods``; HookRefused if torch moved them). ``arm()`` walks the trees once:
+    each module's children, parameters, buffers and forward-hook tables, and the hook table of a
+    hook registry on it, get an observing copy (same type, same entries; a table already observed
+    gets this watch's stamp too), and the module is registered for the wrapped methods; then it
+    settles. ``changed()`` compares two version numbers and the global hook counts; ``moved()``
+    says whether weights moved. Arm again after a change: modules added since are then watched
+    too (the change that added them was seen).
 
-    Seen at once: a child module added, replaced or removed (peft's and vLLM's LoRA wrappers), a
-    parameter or buffer replaced (accelerate moving weights, ``.to()``), a torch forward (pre-)hook
-    added or removed anywhere in the tree, a global forward hook. Not seen until the next ``scan``
-    (the next bind): an attribute set on a module instance, such as a ``forward`` replaced by
-    accelerate's or diffusers' hook registries, or ``module.compile()``; in vLLM-Omni those are
-    applied at load, or between requests.
+    Seen at once, anywhere in the armed trees:
+    - a child module added, replaced or removed (peft's and vLLM's LoRA wrappers), a parameter or
+      buffer replaced;
+    - a torch forward (pre-)hook added or removed, a global forward hook;
+    - an instance attribute that ``scan`` reads set or deleted (``_WATCHED_ATTRS``): accelerate's
+      ``add_hook_to_module`` (``_hf_hook`` and ``forward``), a diffusers or vllm-omni
+      ``HookRegistry`` put on a module (``_diffusers_hook`` / ``_hook_registry`` and
+      ``forward``), a hook registered on a registry that was already there (its table),
+      ``module.compile()``, a class swap;
+    - ``moved()``: ``module.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``to_empty()`` (torch's
+      ``Module._apply``) that put a parameter or buffer of an armed module on other storage.
+      torch keeps the Parameter object and rewrites ``param.data``, so no table changes: a
+      graph captured before would read the old addresses (``pipe.to("cpu");
+      pipe.to("cuda")`` between two requests of a bare-diffusers user).
 
-    ``disarm()`` puts every module's own tables back, with what they hold now. A hook table that
-    gained a hook while armed keeps its observing copy (the hook's handle removes it from there);
-    it only stops counting for this watch.
+    Not seen (the remaining blind spots):
+    - a weight rebound without ``_apply``: ``param.data = new`` or ``torch.utils.swap_tensors``
+      called directly, as some weight reloaders do. Call the hook's release after such a reload
+      (sleep level 2, ``release_captured_graphs``, does). Writes into a weight's own storage
+      (``param.copy_()``, ``load_state_dict``, ``param.data.copy_()``) change no address: a graph
+      reads the new values;
+    - writes that bypass ``Module.__setattr__`` (``object.__setattr__(module, "forward", f)``),
+      and class-level patches (``SomeLayer.forward = f``): ``scan`` does not see those either;
+    - changes inside a module added after ``arm()``, until the next ``arm()``.
+    Other attribute writes are not changes by design, and cost the name test only.
+
+    ``disarm()`` puts every module's own tables back, with what they hold now, and unregisters
+    the modules. A hook table that gained a hook while armed keeps its observing copy (the hook's
+    handle removes it from there); it only stops counting for this watch. The wrapped methods
+    stay, for the process.
     """
 
-    def __init__(self, root: torch.nn.Module):
+    def __init__(self, root: torch.nn.Module, *more: torch.nn.Module):
+        _wrap_module_methods()
         self.root = root
+        self.roots = (root, *more)
         self._stamp = _Stamp()
-        self._armed: list[tuple[dict, str, dict]] = []  # (module.__dict__, name, own table)
+        self._armed: list[tuple[dict, str, dict]] = []  # (owner's __dict__, name, own table)
+        self._registered: list[weakref.ref] = []  # the modules registered in _ARMED
         self.settle()
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._registered)
 
     def arm(self) -> None:
-        for module in self.root.modules():
-            d = module.__dict__
-            for name in _WATCHED:
-                table = d.get(name)
-                stamps = getattr(table, "stamps", None)
-                if stamps is not None:
-                    if self._stamp not in stamps:
-                        stamps.append(self._stamp)
-                    continue
-                observed = _OBSERVED.get(type(table))
-                if observed is None:  # not the table torch made: leave it alone
-                    continue
-                copy = observed(table)
-                copy.stamps = [self._stamp]
-                d[name] = copy
-                self._armed.append((d, name, table))
+        for root in self.roots:
+            for module in root.modules():
+                d = module.__dict__
+                for name in _WATCHED:
+                    self._observe(d, name)
+                for attr, name in _REGISTRY_TABLES:
+                    registry = d.get(attr)
+                    if registry is not None and hasattr(registry, "__dict__"):
+                        self._observe(vars(registry), name)
+                self._register(module)
         self.settle()
 
+    def _observe(self, d: dict, name: str) -> None:
+        table = d.get(name)
+        stamps = getattr(table, "stamps", None)
+        if stamps is not None:
+            if self._stamp not in stamps:
+                stamps.append(self._stamp)
+            return
+        observed = _OBSERVED.get(type(table))
+        if observed is None:  # not the table torch (or the registry) made: leave it alone
+            return
+        copy = observed(table)
+        copy.stamps = [self._stamp]
+        d[name] = copy
+        self._armed.append((d, name, table))
+
+    def _register(self, module) -> None:
+        key = id(module)
+        with _ARMED_LOCK:
+            entry = _ARMED.get(key)
+            if entry is None or entry[0]() is not module:
+                def forget(ref, key=key):
+                    with _ARMED_LOCK:
+                        if key in _ARMED and _ARMED[key][0] is ref:
+                            del _ARMED[key]
+
+                entry = _ARMED[key] = (weakref.ref(module, forget), [])
+            if self._stamp not in entry[1]:
+                entry[1].append(self._stamp)
+                self._registered.append(entry[0])
+
     def settle(self) -> None:
-        """Take the current structure as the known one."""
+        """Take the current structure, and where the weights are now, as the known ones."""
         self._seen = self._now()
 
     def changed(self) -> bool:
         return self._now() != self._seen
 
+    def moved(self) -> bool:
+        """Whether weights of the armed trees moved to other storage since ``settle()``."""
+        return self._stamp.moved != self._seen[1]
+
     def _now(self) -> tuple:
-        return (self._stamp.version, len(torch.nn.modules.module._global_forward_hooks),
+        return (self._stamp.version, self._stamp.moved,
+                len(torch.nn.modules.module._global_forward_hooks),
                 len(torch.nn.modules.module._global_forward_pre_hooks))
 
     def disarm(self) -> None:
+        with _ARMED_LOCK:
+            for ref in self._registered:
+                module = ref()
+                entry = _ARMED.get(id(module)) if module is not None else None
+                if entry is None or entry[0] is not ref:
+                    continue
+                if self._stamp in entry[1]:
+                    entry[1].remove(self._stamp)
+                if not entry[1]:
+                    del _ARMED[id(module)]
+        self._registered.clear()
         for d, name, table in reversed(self._armed):
             current = d.get(name)
             stamps = getattr(current, "stamps", None)

@@ -31,7 +31,9 @@ Workflow (``PrefixGraphs``)
        graph's first replay is checked against the caller's eager step; a mismatch makes that
        shape eager for the process.
     3. Whatever the graph cannot do (capacity, OOM, capture failure, verify mismatch) returns None
-       with its reason counted in ``stats``; the caller then runs its own eager step.
+       with its reason counted in ``stats``; the caller then runs its own eager step. A shape
+       that ran out of memory or failed to capture stays eager until ``release_all`` (sleep
+       level 2); one whose replay mismatched, for the process.
 
 Threads
     Replays take no lock: ``run`` reads the entry's buffers and graph once, into locals, and a
@@ -264,12 +266,18 @@ class PrefixGraphs:
                     stats.count(self.model, "idle_evictions")
 
     def release_all(self) -> None:
-        """Drop every entry and graph (sleep, unload). Live owners keep their prefix through their own
-        cache's references; their next step binds a fresh entry."""
+        """Drop every entry and graph (sleep, unload, a structure change). Live owners keep their
+        prefix through their own cache's references; their next step binds a fresh entry.
+
+        Shapes that ran out of memory or failed to capture may try again: the memory and the
+        process state they failed on are not what they were (``CAPTURE_FAILED``'s hint says so).
+        A verify mismatch stays: the step body itself disagreed with the eager step, which a
+        release does not change (``VERIFY_MISMATCH``: for this process)."""
         with self._lock:
             for entry in list(self._entries.values()):
                 self._drop(entry)
             self._by_owner.clear()
+            self._eager = {k: r for k, r in self._eager.items() if VERIFY_MISMATCH.same(r)}
 
     def info(self) -> dict[str, int]:
         with self._lock:

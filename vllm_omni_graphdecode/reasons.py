@@ -57,10 +57,12 @@ AUTOGRAD = Reason("autograd is enabled",
 OOM = Reason("out of device memory for graph buffers or a capture",
              "free device memory (lower gpu_memory_utilization), or lower what the detail names: "
              "VLLM_OMNI_GRAPHDECODE_MAX_ENTRIES (prefix entries) or _BUCKETS / "
-             "_PRECAPTURE_BUCKETS (paged K/V)")
+             "_PRECAPTURE_BUCKETS (paged K/V); a denoising shape that ran out runs eagerly "
+             "until sleep level 2 (release_captured_graphs) lets it try again")
 CAPTURE_FAILED = Reason("CUDA graph capture failed",
-                        "report it with the logged error; the shape runs eagerly for this process "
-                        "(sleep level 2, release_captured_graphs, lets it capture again)")
+                        "report it with the logged error; the shape (for decode: the decode "
+                        "path) runs eagerly until sleep level 2 (release_captured_graphs) lets "
+                        "it capture again")
 RELEASED = Reason("graphs released (sleep) during this request",
                   "nothing to change: the request goes on eagerly; the next one captures again")
 PARALLEL = Reason("parallel execution (tensor, sequence, ring or CFG parallel, or sharded weights)",
@@ -86,7 +88,16 @@ STRUCTURE = Reason("the model's layers differ from what the fast step body resta
                    "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph); the detail names the layer")
 FAST_NOT_HERE = Reason("fast step not applicable; the exact step runs instead",
                        "see the detail; the exact mode (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact, "
-                       "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph) silences this")
+                       "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph) silences this. A fast "
+                       "body that failed to build or compile is tried again after sleep level 2 "
+                       "(release_captured_graphs) or a change to the model")
+# Counted as a degraded path, not a fallback: no step runs eagerly for it. The graphs that read
+# the old addresses are dropped and the next step (or request) captures again, so the path goes
+# without what it had pooled, once per move.
+WEIGHTS_MOVED = Reason("weights moved to other storage since capture (module.to(), .half())",
+                       "nothing to change: the graphs that read the old addresses were dropped "
+                       "and are captured again; each move costs one capture per shape, so keep "
+                       "the model where it is between requests")
 ARGUMENTS = Reason("called with arguments this hook does not know",
                    "report it with the vllm-omni and diffusers versions (python -m "
                    "vllm_omni_graphdecode doctor); the call runs the model's own code")

@@ -37,8 +37,10 @@ blocks; weights not resident on the device; dynamic LoRA wrappers (peft, vLLM); 
 processor; quantized prefix K/V; prefix K/V not populated or not matching the request's layout; a
 forward call with arguments this hook does not know (a newer diffusers'); sleep's release no
 longer reaching the graphs (checked at bind); and, from ``prefix_graph``, capacity, OOM, capture
-failure, verify mismatch and a release during the step. The extract step always runs as
-diffusers runs it.
+failure (until sleep level 2), verify mismatch and a release during the step. The extract step
+always runs as diffusers runs it. A hook, adapter or compile added after binding is seen at the
+next step (``eligibility.Watch``); weights moved by ``.to()`` (``pipe.to("cpu");
+pipe.to("cuda")``) make the next step capture again, counted under ``WEIGHTS_MOVED``.
 
 Use without vLLM-Omni (bare diffusers)::
 

@@ -8,8 +8,9 @@ What runs where on a cached step
         into buffers the request owns, and the request's cache re-pointed at them (so they are not
         held twice).
     every step, eager: a few constant-time checks (``eligibility.Watch`` among them: an adapter
-        or hook added in the middle of a request drops every graph), a lookup, two copies
-        (latents, timestep) and the replay. No host sync, no walk of the module tree.
+        or hook added in the middle of a request drops every graph, and so do weights moved by
+        ``.to()``, counted under ``WEIGHTS_MOVED``), a lookup, two copies (latents, timestep) and
+        the replay. No host sync, no walk of the module tree.
     captured: ``img_in``, timestep embedding and the shared modulation, all blocks, ``norm_out``,
         ``proj_out``.
     The forward's prologue (text projection, ``repeat_interleave``, rotary over the whole
@@ -29,7 +30,7 @@ import torch
 from ... import eligibility, kernels, patching, stats
 from ...fp8 import w8a8_available
 from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
-from ...reasons import ARGUMENTS, FAST_NOT_HERE, Reason
+from ...reasons import ARGUMENTS, FAST_NOT_HERE, WEIGHTS_MOVED, Reason
 from . import fast_step, names
 from .rules import (AUTOGRAD, COMPILED, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
                     structure_reason)
@@ -154,10 +155,14 @@ class CachedStepGraphs:
     def release_graphs(self) -> None:
         """Drop every entry and graph (sleep level 2), then the fast body's FP8 copies they read;
         the next cached step binds and captures anew (the copies made again from the weights
-        present then)."""
+        present then). Shapes that failed to capture or ran out of memory capture again
+        (``PrefixGraphs.release_all``), and a fast body that failed to build or compile is
+        built again at the next bind."""
         self.graphs.release_all()
         if isinstance(self._fast, _Fast):
             self._fast.blocks.release_copies()
+        elif isinstance(self._fast, Reason):
+            self._fast = None
 
     def call(self, args: tuple, kwargs: dict):
         """The transformer's forward as wired: a cached step replays its graph; anything else,
@@ -201,12 +206,16 @@ class CachedStepGraphs:
             stats.fallback(MODEL, PADDED)
             return None
         if self.watch.changed():
-            # Graphs captured before froze the old structure (no adapter, no hook) and the fast
-            # body holds the old weights: none may run again. The next bind decides anew.
+            # Graphs captured before froze the old structure (no adapter, no hook) or read the
+            # old weight addresses, and the fast body holds the old weights: none may run again.
+            # The next bind decides anew.
+            moved = self.watch.moved()
             self.graphs.release_all()
             self._fast = None
             self._refused.clear()
-            if not self._rearm:
+            if moved:
+                stats.degraded(MODEL, WEIGHTS_MOVED.because(type(self.transformer).__name__))
+            elif not self._rearm:
                 stats.count(MODEL, "structure_changed")
             self._rearm = True
             self.watch.settle()

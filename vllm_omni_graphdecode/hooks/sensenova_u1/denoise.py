@@ -27,12 +27,17 @@ Per request and branch
     so two requests in flight never share prefix buffers. At the branch's first step the prefix
     rows are copied into the entry and the cache's ``flash_*`` buffers are re-pointed at the
     entry's (no second copy of the K/V lives while the request runs); the entry goes back to the
-    pool when ``_run_denoising_loop`` returns. The timestep, the image embeddings and the latents
-    are copied into the entry's step buffers each step.
+    pool when ``_run_denoising_loop`` returns or raises. The timestep, the image embeddings and
+    the latents are copied into the entry's step buffers each step. Every branch step first checks
+    an ``eligibility.Watch`` on what the step reads (the language model, the flow-matching head,
+    the denoising adapter) in constant time: a hook, adapter or compile added, or weights moved
+    by ``.to()``, drops every entry (weights moved: counted under ``WEIGHTS_MOVED``), and each
+    branch is gated and bound again at its next step.
 
 Counted under ``sensenova_u1_image``: ``capture``, ``replay``, ``static_step`` (the static-buffer
-step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step), and
-each fallback by its reason, once per request branch.
+step without a graph: tests), ``eager_branch`` (branches that run the pipeline's own step),
+``structure_changed`` (entries dropped for a change other than weights moved), and each fallback
+by its reason, once per request branch.
 
 Measured (H200, 1024x1024, 50 steps, CFG 4): a step of both branches with and without the graph,
 on vllm-omni 0.26 (its generation path launches thousands of kernels a branch step: the eager step
@@ -56,7 +61,7 @@ import torch
 from ... import eligibility, fp8, patching, prefix_graph, stats
 from ...patching import HookRefused, check_signature
 from ...reasons import (ARGUMENTS, AUTOGRAD, FAST_NOT_HERE, LORA, NOT_CUDA, PARALLEL, QUANT_KV,
-                        Reason)
+                        WEIGHTS_MOVED, Reason)
 from . import fast_denoise, layouts, ops, rules
 
 MODEL = "sensenova_u1_image"
@@ -193,13 +198,16 @@ class Denoiser:
         predict = type(pipeline)._t2i_predict_v
         self._step_code = functools.partial(predict, _StandIn(pipeline, GenForward(self.lm, layout)))
         # fast mode: the FastGen body where it applies, else the Reason it does not; None in the
-        # exact mode.
+        # exact mode, and in the fast mode until the next bind builds it again (after a release
+        # or a structure change).
         self.fast: fast_denoise.FastGen | Reason | None = None
         self._fast_code = None
-        if cfg.sensenova_denoise == "fast":  # built now, so the load's summary says what runs
-            weight = self.lm.model.layers[0].self_attn.qkv_proj_mot_gen.weight
-            self.fast = self._build_fast(weight.dtype, "sensenova_denoise" in cfg.fp8)
-        elif "sensenova_denoise" in cfg.fp8:
+        self._fast_mode = cfg.sensenova_denoise == "fast"
+        self._fp8 = "sensenova_denoise" in cfg.fp8
+        self._copies: fp8.W8A8Copies | None = None  # a rebuilt fast body's FP8 copies: the last's
+        if self._fast_mode:  # built now, so the load's summary says what runs
+            self.fast = self._build_fast()
+        elif self._fp8:
             stats.degraded(MODEL, FP8_NEEDS_FAST.because(f"mode {cfg.sensenova_denoise}"))
         self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
@@ -208,6 +216,16 @@ class Denoiser:
         # id(branch cache) -> (weak reference to it, what was decided at its first step)
         self._branches: dict[int, tuple[weakref.ref, _Branch]] = {}
         self._lock = threading.Lock()
+        # What a branch step reads besides its buffers: the language model, the flow-matching
+        # head and the adapter the step stands in for. Checked at every branch step in constant
+        # time (armed by ``install`` after every patch); a change drops every entry
+        # (``_structure_changed``). The walk the gate reads is kept until then.
+        roots = [m for m in (self.lm, getattr(pipeline, "fm_modules", None),
+                             getattr(pipeline, "denoising_transformer", None))
+                 if isinstance(m, torch.nn.Module)]
+        self.watch = eligibility.Watch(*roots)
+        self._found: eligibility.Structure | None = None
+        self._change_lock = threading.Lock()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -235,6 +253,8 @@ class Denoiser:
 
     def predict_v(self, original, args, kwargs):
         """One branch step: the replayed graph's result, or the pipeline's own step."""
+        if self.watch.changed():
+            self._structure_changed()
         owner = kwargs.get("past_key_values")
         branch = self._branch(owner, args, kwargs)
         if branch.entry is not None:
@@ -284,6 +304,38 @@ class Denoiser:
     def _refuse(self, reason: Reason) -> None:
         stats.fallback(MODEL, reason)
 
+    def _structure_changed(self) -> None:
+        """The watch saw a change: every entry's graph read the old structure or weight
+        addresses, and the fast body holds the old weights. Drop them all (counted: weights
+        moved under ``WEIGHTS_MOVED``, anything else as ``structure_changed``); every branch is
+        gated again at its next step (a hook now: ``HOOKS``) and binds anew from its cache."""
+        with self._change_lock:
+            if not self.watch.changed():
+                return  # another branch's thread saw it first
+            moved = self.watch.moved()
+            self.watch.arm()  # settles; modules added since are watched too
+            self._found = None
+            self.graphs.release_all()
+            with self._lock:
+                self._branches.clear()
+            if isinstance(self.fast, fast_denoise.FastGen):
+                self._copies = self.fast.fp8  # refreshed in place where a weight moved
+            if self._fast_mode:
+                self.fast = None
+            if moved:
+                stats.degraded(MODEL, WEIGHTS_MOVED.because("language_model"))
+            else:
+                stats.count(MODEL, "structure_changed")
+
+    def _structure(self) -> eligibility.Structure:
+        """The language model's walk: made once the watch is armed, then again after a change."""
+        found = self._found
+        if found is None:
+            found = eligibility.scan(self.lm, "language_model")
+            if self.watch.armed:
+                self._found = found
+        return found
+
     def gate(self, cache, kwargs) -> Reason | None:
         """Why this branch runs the pipeline's own step, or None. Checked once per request
         branch."""
@@ -291,6 +343,13 @@ class Denoiser:
         missing = [n for n in STEP_TENSORS + REQUEST_TENSORS if not torch.is_tensor(kwargs.get(n))]
         if missing:
             return ARGUMENTS.because(f"not tensors: {', '.join(missing)}")
+        # The step's other arguments are baked into its graph as they were at capture, keyed by
+        # their values: a tensor among them would be read at its capture-time address, whatever
+        # a later step passes. vllm-omni 0.24-0.30 pass none (ints, floats, the image size).
+        held = [n for n, v in kwargs.items() if n not in NOT_CONSTANT and _holds_tensor(v)]
+        if held:
+            return ARGUMENTS.because(f"_t2i_predict_v: tensor argument {', '.join(held)}, which "
+                                     f"a graph would read at its capture-time address")
         if self.capture is not False and z.device.type != "cuda":
             return NOT_CUDA.because(f"device is {z.device}")
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
@@ -342,13 +401,13 @@ class Denoiser:
             size = getattr(par, name, 1) or 1
             if size > 1:
                 return PARALLEL.because(f"{name}={size}")
-        gate = rules.gate(pipe, lm, None)
+        gate, lora = rules.verdict(pipe, lm, self._structure())
         if gate is not None:
             return gate
         adapter = getattr(pipe, "denoising_transformer", None)
         if adapter is not None and eligibility.module_hooks(adapter):
             return CACHE_BACKEND.because("hooks on denoising_transformer")
-        if rules.lora_present(lm):
+        if lora:
             return LORA.because("language_model")
         return None
 
@@ -382,17 +441,22 @@ class Denoiser:
         return entry
 
     def _fast_for(self) -> fast_denoise.FastGen | None:
-        """The fast body (built at install), or None: the exact mode, or the fast one does not
-        apply here (the reason counted as a degraded path each time a branch binds)."""
+        """The fast body (built at install, and again after a release or a structure change),
+        or None: the exact mode, or the fast one does not apply here (the reason counted as a
+        degraded path each time a branch binds)."""
+        if self.fast is None and self._fast_mode:
+            self.fast = self._build_fast()
         if isinstance(self.fast, Reason):
             stats.degraded(MODEL, FAST_NOT_HERE.because(self.fast.describe()))
             return None
         return self.fast
 
-    def _build_fast(self, dtype, use_fp8: bool = False):
+    def _build_fast(self, dtype=None):
+        """The fast body over the model's weights now (``dtype``: their dtype), or its Reason."""
         from ... import kernels
 
         attn0 = self.lm.model.layers[0].self_attn
+        dtype = dtype or attn0.qkv_proj_mot_gen.weight.dtype
         device = attn0.qkv_proj_mot_gen.weight.device
         problem = fast_denoise.structure_problem(self.lm, self.layout.rope_per_layer)
         if problem is not None:
@@ -401,10 +465,12 @@ class Denoiser:
         if isinstance(attention, Reason):
             return attention
         copies = None
-        if use_fp8:
+        if self._fp8:
             why = fp8.w8a8_available(device)
             if why is None:
-                copies = fp8.W8A8Copies()
+                # A rebuilt body keeps the copies it can: a weight that moved is quantised again
+                # into its copy in place, one replaced gets a new one.
+                copies, self._copies = self._copies or fp8.W8A8Copies(), None
             else:  # the fast body in bf16
                 stats.degraded(MODEL, why)
         try:
@@ -421,8 +487,10 @@ class Denoiser:
         stats.degraded(MODEL, FAST_NOT_HERE.because(reason.describe()))
 
     def finish(self, caches) -> None:
-        """The request's denoising loop returned: its branches' entries go back to the pool (the
-        loop has dropped the caches' references to their rows)."""
+        """The request's denoising loop returned or raised: its branches' entries go back to the
+        pool (nothing of this request reads the caches' rows any more; a failed request's
+        caches may live on in its traceback until a collection, and must not hold the entries
+        that long: ~0.5 GB at 1024x1024)."""
         if not isinstance(caches, dict):
             return
         for cache in caches.values():
@@ -434,10 +502,14 @@ class Denoiser:
 
     def release(self) -> None:
         """Drop every entry and graph (sleep level 2), then the FP8 copies they read (made again
-        at the next step)."""
+        at the next step). Shapes that failed to capture or ran out of memory capture again
+        (``PrefixGraphs.release_all``); a fast body that failed to build or compile is built
+        again at the next bind."""
         self.graphs.release_all()
         if isinstance(self.fast, fast_denoise.FastGen):
             self.fast.release_copies()
+        elif self._fast_mode and isinstance(self.fast, Reason):
+            self.fast = None
 
     def describe(self) -> str:
         where = "CUDA graphs" if self.capture is not False else "static buffers, no graphs"
@@ -456,13 +528,22 @@ class Denoiser:
         return line
 
 
+def _holds_tensor(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    return isinstance(value, torch.Tensor)
+
+
 def _hashable(value):
+    """A constant argument as part of the key. Never a tensor: ``gate`` refuses those."""
     if isinstance(value, (list, tuple)):
         return tuple(_hashable(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape))
+        raise TypeError("a tensor argument cannot be part of a graph's key (gate refuses it)")
     return value
 
 
@@ -494,15 +575,20 @@ def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = Non
 
     @functools.wraps(loop)
     def _run_denoising_loop(ns, caches, p, *args, **kwargs):
-        out = loop(ns, caches, p, *args, **kwargs)
-        denoiser.finish(caches)
-        return out
+        try:
+            return loop(ns, caches, p, *args, **kwargs)
+        finally:  # a request that fails mid-denoise gives its entries back too
+            denoiser.finish(caches)
 
     _t2i_predict_v.__graphdecode__ = True
     _run_denoising_loop.__graphdecode__ = True
     patches = patches if patches is not None else patching.Patches()
     patches.set(pipeline, "_t2i_predict_v", _t2i_predict_v)
     patches.set(pipeline, "_run_denoising_loop", _run_denoising_loop)
+    # Every patch is in place (the decode wiring's came first): what changes from here is not
+    # the plugin's.
+    denoiser.watch.arm()
+    patches.on_undo(denoiser.watch.disarm)
     return denoiser
 
 

@@ -1,8 +1,10 @@
 """Why a SenseNova-U1 request cannot take the paged graph path: the hook's one gate.
 
-``verdict(pipeline, language_model)`` returns (the first reason that applies or None, whether
-LoRA wrappers are present) from one walk of the language model (``eligibility.scan``), once per
-request (the think or text loop's start, or a batched forward), so offload, hooks, LoRA or
+``verdict(pipeline, language_model, found)`` returns (the first reason that applies or None,
+whether LoRA wrappers are present) from the pipeline's configuration, read at every request (the
+think or text loop's start, or a batched forward), and one walk of the language model
+(``eligibility.scan``), which the wiring hands in: walked once, then again only after its
+``eligibility.Watch`` saw a change (``wiring.py``, ``denoise.py``), so offload, hooks, LoRA or
 compile applied after load are seen by the next request; nothing is checked per decode step.
 Each reason is a ``Reason`` with its hint; the request then runs the pipeline's own eager code and
 the reason is counted and logged once. ``gate`` is the reason alone, with the paged kernel's.
@@ -36,9 +38,9 @@ def _tensor_parallel(pipe) -> int:
     return tp
 
 
-def verdict(pipe, lm) -> tuple[Reason | None, bool]:
+def verdict(pipe, lm, found: eligibility.Structure | None = None) -> tuple[Reason | None, bool]:
     """(The first reason this pipeline's requests run eagerly now, or None; whether dynamic LoRA
-    wrappers are present), from one walk of ``lm``."""
+    wrappers are present), from ``found``: ``eligibility.scan(lm)``, walked here when None."""
     tp = _tensor_parallel(pipe)
     if tp > 1:
         return TP.because(f"tensor parallel size {tp}"), False
@@ -46,7 +48,8 @@ def verdict(pipe, lm) -> tuple[Reason | None, bool]:
     flags = [f for f in _OFFLOAD_FLAGS if getattr(od, f, False)]
     if flags:
         return OFFLOAD.because(", ".join(flags)), False
-    found = eligibility.scan(lm, "language_model")
+    if found is None:
+        found = eligibility.scan(lm, "language_model")
     lora = found.lora is not None
     if found.offload:
         return OFFLOAD.because(found.offload), lora

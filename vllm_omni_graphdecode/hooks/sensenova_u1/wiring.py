@@ -26,10 +26,10 @@ import threading
 
 import torch
 
-from ... import kernels, paged_decode, patching, stats
+from ... import eligibility, kernels, paged_decode, patching, stats
 from ...ar_session import ARSessions, PagedDecoder
 from ...patching import HookRefused, check_signature
-from ...reasons import Reason
+from ...reasons import WEIGHTS_MOVED, Reason
 from ...token_loop import Sampling
 from . import batch as batch_mod
 from . import layouts, rules
@@ -56,7 +56,13 @@ class Wiring:
         self.runner = runner
         self.patches = patching.Patches()
         self.release_fn = None  # the pipeline's release_captured_graphs this wiring set
-        self.lora = False  # what the last verdict found (one walk per request: rules.verdict)
+        self.lora = False  # what the last verdict found (rules.verdict, at every request)
+        # The language model's structure and where its weights are, checked in constant time at
+        # every request (armed at install's end, after the plugin's own patches): the walk the
+        # verdict reads is kept until the watch sees a change (``_structure``).
+        self.watch = eligibility.Watch(self.lm)
+        self._found: eligibility.Structure | None = None
+        self._watch_lock = threading.Lock()
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
                                    gate=self.refusal, per_request=lambda: self.lora)
         # The batched decode (batch.py) when the engine hands forward several requests; then the
@@ -77,14 +83,42 @@ class Wiring:
 
     def batch_refusal(self) -> Reason | None:
         """Why requests decode eagerly now: sleep no longer reaching this wiring's release (a
-        constant-time check; its graphs are dropped then), or the hook's gate (one walk of the
-        model, ``rules.verdict``, whose LoRA finding ``self.lora`` keeps for the request)."""
+        constant-time check; its graphs are dropped then), or the hook's gate
+        (``rules.verdict`` over the model's walk, ``_structure``; ``self.lora`` keeps its LoRA
+        finding for the request)."""
         lost = self.sleep_lost()
         if lost is not None:
             self.release()
             return lost
-        reason, self.lora = rules.verdict(self.pipeline, self.lm)
+        reason, self.lora = rules.verdict(self.pipeline, self.lm, self._structure())
         return reason
+
+    def _structure(self) -> eligibility.Structure:
+        """The language model's walk (``eligibility.scan``): made once the watch is armed, then
+        again only after it saw a change. A change first drops every decode graph, which read
+        the old structure or weight addresses (the one-request path's decoder, released as
+        sleep does; the batched step's launches): weights moved are counted under
+        ``WEIGHTS_MOVED``, anything else as ``structure_changed``, and the walk then gives the
+        hook's reason, if any (a hook: ``HOOKED``)."""
+        with self._watch_lock:
+            if self.watch.changed():
+                moved = self.watch.moved()
+                self.watch.arm()  # settles; modules added since are watched too
+                self._found = None
+                self.sessions.release()
+                decoder = self.batch.decoder if self.batch is not None else None
+                if decoder is not None:
+                    decoder.drop_graphs()
+                if moved:
+                    stats.degraded(MODEL, WEIGHTS_MOVED.because("language_model"))
+                else:
+                    stats.count(MODEL, "structure_changed")
+            found = self._found
+            if found is None:
+                found = eligibility.scan(self.lm, "language_model")
+                if self.watch.armed:
+                    self._found = found
+            return found
 
     def sleep_lost(self) -> Reason | None:
         if self.release_fn is None:
@@ -236,11 +270,17 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
                  + (" (FP8 weights run in this plugin's step only)"
                     if use_fp8 and cfg.sensenova_intree == "defer" else ""))
     if wiring.batch is not None:
-        return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode "
+        line = (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode "
                 f"{wiring.batch.describe()}{taken}; {wiring.batch.precapture()}; {image}")
-    return (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode paged "
-            f"({what}; step {step_line}); buckets {buckets} (+{tail} tail){taken}; "
-            f"{wiring.precapture()}; {image}")
+    else:
+        line = (f"{cls.__name__} ({layout.name} layout, {layout.versions}): think/text decode "
+                f"paged ({what}; step {step_line}); buckets {buckets} (+{tail} tail){taken}; "
+                f"{wiring.precapture()}; {image}")
+    # Every patch of this plugin is in place (and pre-captured): a change from here on is
+    # someone else's, and the first request's walk is kept until the watch sees one.
+    wiring.watch.arm()
+    patches.on_undo(wiring.watch.disarm)
+    return line
 
 
 IMAGE_ATTR = "_graphdecode_sensenova_u1_image"
