@@ -269,3 +269,65 @@ def test_gpu_one_request_that_cannot_grow_its_buffers_finishes_on_cuda(checkpoin
     assert stats.get(MODEL, "eager_step") > 0
     assert got[0][:100] == want[0][:100]
     assert got[2][1][:100] == want[2][1][:100]  # the think text before the hand-back
+
+
+# ------------------------------------------------------------------ the model changed mid-request
+
+def _moves_at(pipe, owner, call):
+    """At the ``call``-th check of ``owner.changed`` (before a launch or a token), move the
+    language model's weights first (``.to("cpu"); .to("cuda")``, the old blocks refilled with
+    random values, as ``tests/test_structure_changes_gpu.py`` does). Returns what holds them."""
+    from test_structure_changes_gpu import round_trip
+
+    real, calls, taken = owner.changed, {"n": 0}, []
+
+    def changed():
+        calls["n"] += 1
+        if calls["n"] == call:
+            with torch.inference_mode(False):
+                taken.extend(round_trip(pipe.language_model))
+        return real()
+
+    owner.changed = changed
+    return taken
+
+
+def test_gpu_batch_weights_moved_mid_forward_finish_every_row_on_cuda(checkpoint):  # noqa: F811
+    """The weights move before the third launch: no launch runs after it (its graphs read the
+    old blocks, now random values); every row in flight finishes on the pipeline's eager path on
+    CUDA from the tokens it had, counted under CHANGED; the next forward captures again and
+    answers bit for bit."""
+    pipe = _pipeline(checkpoint)
+    requests = _requests()
+    want = _together(pipe, requests)
+    stats.reset()
+    decoder = _decoder(pipe)
+    taken = _moves_at(pipe, decoder, 3)
+    got = _together(pipe, requests)  # _answer asserts no request failed
+    changed = stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.CHANGED}", 0)
+    assert 1 <= changed <= len(requests)
+    assert stats.get(MODEL, "eager_step") > 0
+    assert got[0][:8] == want[0][:8]  # the tokens of the two launches before the move
+    assert got[4][0] and got[4][1]  # the think image and its text
+    del taken
+    stats.reset()
+    assert _together(pipe, requests) == want
+    assert stats.get(MODEL, "batch_capture") >= 1 and stats.fallbacks(MODEL) == {}
+
+
+def test_gpu_one_request_weights_moved_mid_decode_finish_it_on_cuda(checkpoint):  # noqa: F811
+    """The weights move before the 50th token of the first request: it finishes eagerly on
+    CUDA (CHANGED), its first tokens those it had; the next requests are checked again, capture
+    anew and answer bit for bit."""
+    pipe = _pipeline(checkpoint, rows=1)
+    requests = _one_request_requests()
+    want = _one_at_a_time(pipe, requests)
+    stats.reset()
+    sessions = getattr(pipe, hook.STATE_ATTR).sessions
+    taken = _moves_at(pipe, sessions, 50)
+    got = _one_at_a_time(pipe, requests)
+    assert stats.fallbacks(MODEL) == {f"{MODEL}: {reasons.CHANGED}": 1}
+    assert stats.get(MODEL, "eager_step") > 0
+    assert got[0][:20] == want[0][:20]
+    assert got[1:] == want[1:]
+    del taken

@@ -273,6 +273,54 @@ def test_decode_requests_walk_the_model_once_while_a_layer_writes_its_own_attrib
     assert stats.fallbacks(DECODE) == {} and moves(DECODE) == 0
 
 
+def _round_trip_at(step_model, lm, call: int) -> list[int]:
+    """Make ``step_model``'s ``call``-th forward (a decode launch) move ``lm``'s weights first (a
+    ``.to()`` round trip, outside inference mode as a user's call would be). Returns the list
+    the moves are counted in."""
+    done, real = [], step_model.forward
+
+    def forward(*args, **kwargs):
+        done.append(None)
+        if len(done) == call:
+            with torch.inference_mode(False):
+                round_trip(lm)
+        return real(*args, **kwargs)
+
+    step_model.forward = forward
+    return done
+
+
+def test_decode_a_to_round_trip_during_a_request_hands_it_back_and_the_next_captures(tiny):
+    """The check before every token: a request in flight when the weights move finishes on the
+    model's own code (CHANGED, counted once) with the answer it had; the next request is checked
+    again (WEIGHTS_MOVED, the decoder built anew) and decodes on the paged path."""
+    pipe = _decode_pipe(tiny)
+    state = getattr(pipe, hook.STATE_ATTR)
+    rm.run_think(pipe, tiny.ids, STEPS)
+    decoder = state.decoder
+    real = decoder.model.forward
+    counted = _round_trip_at(decoder.model, tiny.lm, 0)  # counts, never moves
+    first = rm.run_think(pipe, tiny.ids, STEPS)
+    decoder.model.forward = real
+    calls = _round_trip_at(decoder.model, tiny.lm, 3)
+    second = rm.run_think(pipe, tiny.ids, STEPS)
+    # Only the launch the move happened in and the one already running ahead of the loop
+    # (k = 4 tokens each) ran; every later token came from the model's own code.
+    assert len(calls) == 8 < len(counted)
+    # The same think text and position; the K/V of the tokens after the hand-back are the
+    # model's own (its float32 matmuls round apart from the paged step's in the last bits).
+    assert second[1:] == first[1:]
+    for la, lb in zip(second[0].layers, first[0].layers):
+        torch.testing.assert_close(la.keys, lb.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(la.values, lb.values, rtol=1e-5, atol=1e-5)
+    assert stats.fallbacks(DECODE) == {f"{DECODE}: {reasons.CHANGED.key}": 1}
+    third = rm.run_think(pipe, tiny.ids, STEPS)
+    _same(third, first)
+    assert state.decoder is not decoder and moves(DECODE) == 1
+    assert stats.get(DECODE, "paged_request") == 4
+    assert stats.fallbacks(DECODE) == {f"{DECODE}: {reasons.CHANGED.key}": 1}
+
+
 def test_decode_unwire_disarms_the_watch(tiny):
     pipe = _decode_pipe(tiny)
     rm.run_think(pipe, tiny.ids, 5)
@@ -334,6 +382,26 @@ def test_batched_a_hook_on_one_projection_runs_the_next_forward_eagerly_with_it(
 
     assert got == [_answer(release.forward(_batch([r]))) for r in _text_requests()]
     assert stats.fallbacks(DECODE) == {f"{DECODE}: {hook.HOOKED.key}": 1}
+
+
+def test_batched_a_to_round_trip_during_a_forward_hands_every_row_back(checkpoint):  # noqa: F811
+    """The check before every launch: the rows in flight when the weights move finish on the
+    model's own code (CHANGED, once per row, no launch after the move) with the answers they
+    had; the next forward is checked again and decodes batched."""
+    pipe = _batch_pipeline(checkpoint)
+    first = _texts(pipe)
+    batch = getattr(pipe, hook.STATE_ATTR).batch
+    launches = _round_trip_at(batch.decoder.model, pipe.language_model, 2)
+    second = _texts(pipe)
+    assert len(launches) == 4  # the launch the move happened in (k = 4 steps), none after
+    assert second == first
+    changed = stats.fallbacks(DECODE)
+    assert list(changed) == [f"{DECODE}: {reasons.CHANGED.key}"] and changed[
+        f"{DECODE}: {reasons.CHANGED.key}"] == len(first)
+    before = stats.get(DECODE, "batch_launch")
+    assert _texts(pipe) == first
+    assert stats.get(DECODE, "batch_launch") > before and moves(DECODE) == 1
+    assert stats.fallbacks(DECODE) == changed
 
 
 # -- SenseNova-U1 denoising ---------------------------------------------------------------------

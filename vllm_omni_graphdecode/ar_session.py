@@ -75,11 +75,15 @@ class ARSessions:
     ``gate()`` returns why no request may take the path now (the hook's rules), or None.
     ``per_request()`` says whether graphs must not outlive a request (dynamic LoRA wrappers).
     ``make_decoder()`` builds the ``PagedDecoder`` on first use.
+    ``changed()``, checked before every token a session serves (constant time), returns why the
+    model changed under the request, or None: the request is then handed back to the eager path.
     """
 
     def __init__(self, model: str, *, make_decoder: Callable[[], PagedDecoder],
-                 gate: Callable[[], Reason | None], per_request: Callable[[], bool], kernel):
+                 gate: Callable[[], Reason | None], per_request: Callable[[], bool], kernel,
+                 changed: Callable[[], Reason | None] | None = None):
         self.model = model
+        self.changed = changed
         self.make_decoder = make_decoder
         self.gate = gate
         self.per_request = per_request
@@ -256,6 +260,10 @@ class Session:
         return self._run(self.ahead.next, token, position)
 
     def _run(self, fn, token, position):
+        changed = self.owner.changed() if self.owner.changed is not None else None
+        if changed is not None:
+            self.hand_back(changed)
+            return None
         try:
             out = fn(token, position)
         except Exception as exc:

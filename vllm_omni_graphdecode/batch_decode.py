@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -262,13 +262,17 @@ class BatchDecoder:
 
     ``model``: the hook's ``BatchStepModel``; ``graphs``: capture launches (else run them
     eagerly, the same kernels); ``k``: tokens per launch; ``reopen_blocks``/``reopen_width``:
-    the pool a released decoder allocates again for its next row (default: its first size).
+    the pool a released decoder allocates again for its next row (default: its first size);
+    ``changed()``, checked before every launch (constant time), returns why the model changed
+    under the rows, or None: every live row is then handed back to the eager path.
     """
 
     def __init__(self, model: BatchStepModel, cache: BatchKV, *, name: str, k: int,
                  graphs: bool, reopen_blocks: int | None = None,
-                 reopen_width: int | None = None):
+                 reopen_width: int | None = None,
+                 changed: Callable[[], Reason | None] | None = None):
         self.model = model
+        self.changed = changed
         self.cache = cache
         self.name = name
         self.k = k
@@ -450,6 +454,13 @@ class BatchDecoder:
         with self.lock:
             waiting = [r for r in self.rows if r is not None and r.waiting]
             if not waiting:
+                return
+            changed = self.changed() if self.changed is not None else None
+            if changed is not None:
+                # The launches read what the model was: none runs again for these rows.
+                self.drop_graphs()
+                for r in self.live_rows:
+                    self.hand_back(r, changed)
                 return
             ready = self._admit(waiting)
             if ready:

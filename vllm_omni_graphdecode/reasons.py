@@ -98,6 +98,12 @@ WEIGHTS_MOVED = Reason("weights moved to other storage since capture (module.to(
                        "nothing to change: the graphs that read the old addresses were dropped "
                        "and are captured again; each move costs one capture per shape, so keep "
                        "the model where it is between requests")
+# A fallback: the request decoding when the watch saw the change finishes on the model's own
+# code (its graphs and fused step read what the model was); the next request walks and captures
+# again.
+CHANGED = Reason("the model changed while a request decoded (weights moved, a hook, an adapter)",
+                 "change the model between requests: the request in flight finished on the "
+                 "model's own code, and the next one is checked and captured again")
 ARGUMENTS = Reason("called with arguments this hook does not know",
                    "report it with the vllm-omni and diffusers versions (python -m "
                    "vllm_omni_graphdecode doctor); the call runs the model's own code")

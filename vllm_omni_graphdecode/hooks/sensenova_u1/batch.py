@@ -131,7 +131,7 @@ class BatchWiring:
     """What ``wiring.install`` attaches when the engine batches SenseNova-U1's requests."""
 
     def __init__(self, pipeline, layout, cfg, rows: int, *, attention=None, graphs=None,
-                 writer=None, refusal=None, lora=None, linears=None):
+                 writer=None, refusal=None, lora=None, linears=None, changed=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
         self.layout = layout
@@ -148,6 +148,7 @@ class BatchWiring:
         # change), or the rules' own walks.
         self._refusal = refusal or (lambda: rules.gate(pipeline, self.lm, kernel=None))
         self.lora = lora or (lambda: rules.lora_present(self.lm))
+        self.changed = changed  # checked before every launch (``BatchDecoder``)
         self.decoder: BatchDecoder | None = None
         self.lock = threading.Lock()
         self._gate_reason: Reason | None = None
@@ -176,7 +177,8 @@ class BatchWiring:
             cache.grow(cache.num_blocks, width=self.table_width())
             self.decoder = BatchDecoder(step, cache, name=MODEL, k=self.k, graphs=self.graphs,
                                         reopen_blocks=self.initial_blocks(),
-                                        reopen_width=self.table_width())
+                                        reopen_width=self.table_width(),
+                                        changed=self.changed)
         else:
             self.decoder.reopen(self.initial_blocks(), self.table_width())
         return self.decoder

@@ -29,7 +29,7 @@ import torch
 from ... import eligibility, kernels, paged_decode, patching, stats
 from ...ar_session import ARSessions, PagedDecoder
 from ...patching import HookRefused, check_signature
-from ...reasons import WEIGHTS_MOVED, Reason
+from ...reasons import CHANGED, WEIGHTS_MOVED, Reason
 from ...token_loop import Sampling
 from . import batch as batch_mod
 from . import layouts, rules
@@ -64,7 +64,8 @@ class Wiring:
         self._found: eligibility.Structure | None = None
         self._watch_lock = threading.Lock()
         self.sessions = ARSessions(MODEL, make_decoder=self._decoder, kernel=kernel,
-                                   gate=self.refusal, per_request=lambda: self.lora)
+                                   gate=self.refusal, per_request=lambda: self.lora,
+                                   changed=self.changed_during_request)
         # The batched decode (batch.py) when the engine hands forward several requests; then the
         # loops decode there and ``sessions`` is not used.
         self.batch: batch_mod.BatchWiring | None = None
@@ -92,6 +93,16 @@ class Wiring:
             return lost
         reason, self.lora = rules.verdict(self.pipeline, self.lm, self._structure())
         return reason
+
+    def changed_during_request(self) -> Reason | None:
+        """Before every token or launch of a request in flight, in constant time: whether the
+        watch saw a change since the request's check (weights moved, a hook, an adapter). The
+        request then finishes on the model's own code; the next request's check settles the
+        watch, drops every graph and walks again (``_structure``)."""
+        if not self.watch.changed():
+            return None
+        what = "its weights moved" if self.watch.moved() else "its structure changed"
+        return CHANGED.because(f"language_model: {what} while the request decoded")
 
     def _structure(self) -> eligibility.Structure:
         """The language model's walk (``eligibility.scan``): made once the watch is armed, then
@@ -229,7 +240,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
                                              attention=batch_attention, graphs=graphs,
                                              writer=writer, refusal=wiring.batch_refusal,
                                              lora=lambda: wiring.lora,
-                                             linears=_fp8_of(fusion))
+                                             linears=_fp8_of(fusion),
+                                             changed=wiring.changed_during_request)
 
     # From here on nothing is checked any more: patch.
     patches = wiring.patches
