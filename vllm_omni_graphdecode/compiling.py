@@ -29,7 +29,9 @@ NO_COMPILE = Reason("torch.compile unavailable", "use torch >= 2.5 on a Python t
 NO_TRITON = Reason("Triton unavailable for this GPU", "install the triton that matches torch (sm_70+)")
 NO_CXX = Reason("no C++ compiler for Inductor's CPU backend", "install g++ or set CXX")
 COMPILE_FAILED = Reason("torch.compile of the fast step body failed",
-                        "report the logged error; the exact step runs for this shape")
+                        "report the logged error (with `python -m vllm_omni_graphdecode doctor`); "
+                        "the exact step runs from then on, every shape, until sleep level 2 "
+                        "(release_captured_graphs) or a change to the model lets it compile again")
 
 
 

@@ -14,7 +14,7 @@ Files, one concern each:
     layouts.py     the vllm-omni code layouts (0.24-0.28 "backport", 0.30 "in-tree") and every
                    signature checked before patching
     rules.py       the gate: why a request runs eagerly (TP, offload, compile, KV quant, hooks),
-                   one walk of the model per request
+                   over a walk of the model made again only after a change
     step.py        the one-token step over paged K/V (the attention branch, the static inputs)
     fused_step.py  vllm's fused norms and SiLU; on 0.24-0.28 also rope once per step (delete that
                    part with the backport layout); opt-in tuned GEMVs

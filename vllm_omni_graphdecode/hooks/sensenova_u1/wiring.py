@@ -11,7 +11,9 @@ At load (``install``): every method patched or called is checked first (``layout
 - ``release_captured_graphs`` on the pipeline drops this plugin's graphs (and the in-tree ones),
   reached at sleep level 2 (0.30's runner calls it; on 0.24-0.28 through the runner's
   ``graph_runners.clear()``, the only call those workers make); each request checks, in constant
-  time, that sleep still reaches it, and runs eagerly with the reason if not;
+  time, that sleep still reaches it, and runs eagerly with the reason if not; a change to the
+  language model (a hook, an adapter, weights moved) is seen by a watch in constant time, at
+  each request and before each token or launch of one in flight;
 - the pre-capture buckets are captured, so the first think request pays no capture.
 
 Everything set on objects the plugin does not own goes through one ``patching.Patches``:
@@ -58,8 +60,9 @@ class Wiring:
         self.release_fn = None  # the pipeline's release_captured_graphs this wiring set
         self.lora = False  # what the last verdict found (rules.verdict, at every request)
         # The language model's structure and where its weights are, checked in constant time at
-        # every request (armed at install's end, after the plugin's own patches): the walk the
-        # verdict reads is kept until the watch sees a change (``_structure``).
+        # every request and before every token or launch (armed at install's end, after the
+        # plugin's own patches): the walk the verdict reads is kept until the watch sees a
+        # change (``_structure``, ``changed_during_request``).
         self.watch = eligibility.Watch(self.lm)
         self._found: eligibility.Structure | None = None
         self._watch_lock = threading.Lock()
