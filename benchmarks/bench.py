@@ -66,10 +66,12 @@ import common  # noqa: E402
 import profile_step  # noqa: E402
 import qwen_step  # noqa: E402
 from plot import plot  # noqa: E402
-from vllm_omni_graphdecode import config, kernels, stats  # noqa: E402
-from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
+from vllm_omni_graphdecode import config  # noqa: E402
+from vllm_omni_graphdecode.core import stats  # noqa: E402
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
 from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring as sensenova_wiring  # noqa: E402
+from vllm_omni_graphdecode.ops import attention  # noqa: E402
+from vllm_omni_graphdecode.testing import sensenova as rm, qwen as qwen_models  # noqa: E402
 
 SENSENOVA_SHAPE = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,
                        intermediate=12288, vocab=151936)
@@ -502,7 +504,7 @@ def bench_qwen(args, rows, env):
     rate = common.matmul_flops_per_s()
     env["bf16_matmul_tflops"] = round(rate / 1e12, 1)
     log(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
+    tf = qwen_models.random_transformer(device="cuda", dtype=torch.bfloat16)
     for (name, target, refs), mode in itertools.product(QWEN_CASES, args.qwen_modes):
         stats.reset()
         r = qwen_step.bench_cached_step(tf, text_tokens=256, reference_shapes=refs,
@@ -593,7 +595,7 @@ def bench_memory(args, rows, env):
         return
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
 
-    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
+    tf = qwen_models.random_transformer(device="cuda", dtype=torch.bfloat16)
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "qwen_image_21"})
     stats.reset()
     graphs = q.enable(tf, max_entries=cfg.max_entries)
@@ -602,8 +604,8 @@ def bench_memory(args, rows, env):
 
     with torch.no_grad():
         for i in range(20):
-            kwargs = rm.synthetic_inputs(tf, text_tokens=200 + 8 * (i % 3), target_shape=(64, 64),
-                                        seed=i)
+            kwargs = qwen_models.synthetic_inputs(tf, text_tokens=200 + 8 * (i % 3),
+                                                  target_shape=(64, 64), seed=i)
             cache = QwenImage21KVCache(len(tf.transformer_blocks))
             tf(**kwargs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)
             for _ in range(3):
@@ -653,7 +655,7 @@ def bench_profile(args, rows, env):
     device = next(lm.parameters()).device
     bw = copy_bandwidth(env)
     fa = args.fa[0] if args.fa else "3"
-    kernel = kernels.select_kernel(device, lm.config.head_dim, fa)
+    kernel = attention.select_kernel(device, lm.config.head_dim, fa)
     buckets = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"}).buckets
     prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
     floor = sensenova_read_bytes(lm, ctx) / bw * 1e3
@@ -669,7 +671,7 @@ def bench_profile(args, rows, env):
     for name, per_launch, part in graphs:
         if part not in parts:
             continue
-        if not isinstance(kernel, kernels.Kernel):
+        if not isinstance(kernel, attention.Kernel):
             profiles[name] = {"error": f"no paged kernel: {kernel}"}
             continue
         save(name, lambda per_launch=per_launch, part=part: profile_step.profile_sensenova_graph(
@@ -692,7 +694,7 @@ def bench_profile(args, rows, env):
     release_model_unless_needed(args)
 
     def qwen():
-        tf = rm.random_transformer(device=device.type, dtype=torch.bfloat16)
+        tf = qwen_models.random_transformer(device=device.type, dtype=torch.bfloat16)
         try:
             return profile_step.profile_qwen_step(tf, target_shape=QWEN_PROFILE_TARGET,
                                                   text_tokens=256)
@@ -750,7 +752,7 @@ def bench_qwen_profile(args, rows, env):
     diffusers' eager step, the exact mode's replay ("graph") and the fast mode's
     ("graph_fast"); writes ``profile-qwen-<tag>.json``."""
     path = os.path.join(args.out, f"profile-qwen-{args.tag}.json")
-    tf = rm.random_transformer(device="cuda", dtype=torch.bfloat16)
+    tf = qwen_models.random_transformer(device="cuda", dtype=torch.bfloat16)
     try:
         prof = profile_step.profile_qwen_step(tf, target_shape=QWEN_PROFILE_TARGET,
                                               text_tokens=256)

@@ -305,7 +305,8 @@ def opaque(rep: dict, expected_min_kernels: int) -> bool:
 
 def sensenova_gemms(lm, fp8: bool = False) -> tuple[tuple, dict[str, int]]:
     """One step's weight GEMMs (per-layer names, layers, tail) and the bytes each reads a call;
-    ``fp8``: the per-layer projections read their e4m3 copies (a byte a weight), ``lm_head`` bf16."""
+    ``ops/fp8``: the per-layer projections read their e4m3 copies (a byte a weight), ``lm_head``
+    bf16."""
     layers = lm.model.layers
     layout = (SENSENOVA_PROJECTIONS, len(layers), "lm_head")
     sizes: dict[str, int] = {}
@@ -328,10 +329,10 @@ def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, 
     ``step()``, from a launch per token or served from ``tokens_per_launch``-token launches.
     ``fusion``: the step's ``fused_step.Fusion`` ("auto": what this device supports; one with
     FP8 copies makes the GEMMs' bytes a byte a weight)."""
-    from vllm_omni_graphdecode import fp8
+    from vllm_omni_graphdecode.ops.fp8 import linears
 
     layout, sizes = sensenova_gemms(
-        lm, fp8=isinstance(getattr(fusion, "gemv", None), fp8.Fp8Linears))
+        lm, fp8=isinstance(getattr(fusion, "gemv", None), linears.Fp8Linears))
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1
@@ -402,10 +403,10 @@ def profile_qwen_step(tf, *, target_shape=(64, 64), text_tokens=256, steps=3,
                       modes=("exact", "fast")) -> dict:
     """One cached step at ``target_shape`` (t2i): diffusers' own forward and the plugin's graph
     replay (on CPU the plugin's static-buffer step, uncaptured)."""
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
     from vllm_omni_graphdecode.hooks import qwen_image_21 as q
     from vllm_omni_graphdecode.hooks.qwen_image_21 import names
-    from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
+    from vllm_omni_graphdecode.testing.qwen import synthetic_inputs
 
     device_type = next(tf.parameters()).device.type
     capture = device_type == "cuda"

@@ -239,7 +239,7 @@ def build_pipeline(device="cuda", dtype=torch.bfloat16, size="real", seed=0, *,
     diffusers_logging.set_verbosity_error()  # not the per-model "cast with to()" advice
     try:
         if size == "real":
-            from vllm_omni_graphdecode.testing.random_models import random_transformer
+            from vllm_omni_graphdecode.testing.qwen import random_transformer
 
             text_encoder = real_text_encoder(token_ids, device=device, dtype=dtype, seed=seed)
             torch.manual_seed(seed + 1)
@@ -418,7 +418,7 @@ def run_case(pipe, *, enable: Callable[..., Any], cfg: float, steps: int, height
     memory taken by enabling and the first wired image (static buffers, graph pools), from free
     memory on the device; None off CUDA.
     """
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
 
     negative = negative_prompt if cfg > 1 else None
 

@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from vllm_omni_graphdecode import stats
+from vllm_omni_graphdecode.core import stats
 from vllm_omni_graphdecode.hooks import qwen_image_21 as q
 from vllm_omni_graphdecode.hooks.qwen_image_21 import names
-from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
+from vllm_omni_graphdecode.testing.qwen import synthetic_inputs
 
 
 def _timed(fn, iters: int) -> float:

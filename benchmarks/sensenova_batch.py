@@ -193,13 +193,14 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
     """ms per decode step at ``--context``: the batch-1 path against the batched path; then the
     ``--profile-rows`` profiles (after every timing, so that none is taken beside a profiler's
     leftovers). ``write()`` after each row: a run cut short keeps what it measured."""
-    from vllm_omni_graphdecode import kernels, turns
+    from vllm_omni_graphdecode.decode.batch import turns
     from vllm_omni_graphdecode.hooks import sensenova_u1
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.ops import attention
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     lm = pipe.language_model
     ctx, tokens = args.context, args.step_tokens
-    kernel = kernels.select_kernel("cuda", lm.model.layers[0].self_attn.head_dim, "3")
+    kernel = attention.select_kernel("cuda", lm.model.layers[0].self_attn.head_dim, "3")
     wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
     single = sensenova_u1.paged_decoder(lm, kernel=kernel, buckets=(ctx, 2 * ctx),
                                         tokens_per_launch=8,
@@ -279,7 +280,7 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
     under torch.profiler, the kernels seen inside the graph replays by category, the linear
     layers by position (``profile_step.report``); the whole report in
     ``profile-batch-b{n}[-fp8].json``, a summary row ``sensenova_batch_step_profile_b{n}``.
-    ``fp8``: the step's linear layers read FP8 copies (their bytes counted at one a weight).
+    ``ops/fp8``: the step's linear layers read FP8 copies (their bytes counted at one a weight).
     The profiled run includes the rows joining and leaving (their K/V copied into the pool and
     out), spread over its steps: a few copy kernels a step more than decoding alone."""
     import profile_step
@@ -415,7 +416,8 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(sr._json_safe({"environment": env, "cases": results}), f, indent=2)
 
-    from vllm_omni_graphdecode import config, stats
+    from vllm_omni_graphdecode import config
+    from vllm_omni_graphdecode.core import stats
 
     per_launch = config.parse({}).tokens_per_launch
     if args.step_tokens % per_launch:
@@ -429,7 +431,7 @@ def main(argv=None) -> int:
     if args.lm_only:
         if cases != ["step"]:
             ap.error("--lm-only runs the step case alone (--cases step)")
-        from vllm_omni_graphdecode.testing import random_models as rm
+        from vllm_omni_graphdecode.testing import sensenova as rm
 
         rm.setup_runtime(device.type)
         shape = dict(num_layers=42, hidden=4096, heads=32, kv_heads=8, head_dim=128,

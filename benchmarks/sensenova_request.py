@@ -303,7 +303,7 @@ def build_real_pipeline(device: torch.device, dtype: torch.dtype, seed: int, wor
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     rm.setup_runtime(device.type)
     ckpt = write_real_checkpoint(os.path.join(workdir, "sensenova_u1_real"), prompt, shape,
@@ -320,11 +320,11 @@ def build_real_pipeline(device: torch.device, dtype: torch.dtype, seed: int, wor
 
 def build_tiny_pipeline(device: torch.device, dtype: torch.dtype, seed: int, workdir: str):
     """The tiny checkpoint (make_tiny_checkpoints) with its end tokens' ``lm_head`` rows zeroed in
-    the file, loaded by vLLM-Omni's own loader (``random_models.load_sensenova_pipeline``)."""
+    the file, loaded by vLLM-Omni's own loader (``sensenova.load_sensenova_pipeline``)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer
 
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     ckpt = os.path.join(workdir, "sensenova_u1_tiny")
     tiny.write_sensenova_u1(ckpt, seed=seed)
@@ -798,7 +798,7 @@ def _free_mib(device: torch.device) -> float | None:
 
 def run_side(pipe, side: str, args, modes: list[bool], device: torch.device, log: Log) -> dict:
     """Warm-up, timed and (CUDA) sync-audit requests of one side for each think mode."""
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
 
     results = {}
     if device.type == "cuda":
@@ -1096,9 +1096,9 @@ def main(argv=None) -> int:
     log = Log(os.path.join(args.out, "sensenova-request.log"))
     dtype = torch.bfloat16
 
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
     from vllm_omni_graphdecode.hooks import sensenova_u1
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     env = _environment(device)
     workdir = tempfile.mkdtemp(prefix="sensenova-request-")

@@ -38,7 +38,7 @@ def main() -> None:
 
     from diffusers import QwenImage21Pipeline
 
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
     from vllm_omni_graphdecode.hooks import qwen_image_21
 
     pipe = QwenImage21Pipeline.from_pretrained(args.model_path, torch_dtype=torch.bfloat16,

@@ -62,7 +62,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state():
     """Each test starts with the plugin's process-wide config and stats cleared."""
-    from vllm_omni_graphdecode import config, stats
+    from vllm_omni_graphdecode import config
+    from vllm_omni_graphdecode.core import stats
 
     config.reset_for_tests()
     stats.reset()
@@ -77,7 +78,7 @@ def stats_warnings():
     vllm's logging config may stop propagation to caplog)."""
     import logging
 
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
 
     records = []
     handler = logging.Handler(logging.WARNING)

@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         write()
         print(f"e2e_engine: {model}: done", flush=True)
     # What the plugin did in this (client) process: nothing, when the worker is a separate one.
-    stats = sys.modules.get("vllm_omni_graphdecode.stats")
+    stats = sys.modules.get("vllm_omni_graphdecode.core.stats")
     report["client_stats"] = stats.snapshot() if stats is not None else None
     write()
     return 1 if failed else 0

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
-from vllm_omni_graphdecode import stats
+from vllm_omni_graphdecode.core import stats
 from vllm_omni_graphdecode.hooks.qwen_image_21 import MODEL
-from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
+from vllm_omni_graphdecode.testing.qwen import synthetic_inputs
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21KVCache,
     QwenImage21Transformer2DModel,

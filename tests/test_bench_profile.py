@@ -166,7 +166,7 @@ def test_an_opaque_replay_is_detected():
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     tok = rm.build_tokenizer()
     lm = rm.build_lm(banned_ids=rm.stop_ids(tok))
@@ -176,13 +176,13 @@ def tiny_lm():
 def test_profile_case_runs_end_to_end_on_cpu(tmp_path, monkeypatch, tiny_lm):
     import bench
     import qwen_tiny
-    from vllm_omni_graphdecode import kernels
+    from vllm_omni_graphdecode.ops import attention as kernels
 
     monkeypatch.setattr(bench, "sensenova_model", lambda: tiny_lm)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda env: 1e11)
-    monkeypatch.setattr(bench.kernels, "select_kernel", lambda *a, **k: kernels.REFERENCE)
+    monkeypatch.setattr(bench.attention, "select_kernel", lambda *a, **k: kernels.REFERENCE)
     monkeypatch.setattr(bench.rm, "has_intree_paged_decode", lambda: False)
-    monkeypatch.setattr(bench.rm, "random_transformer",
+    monkeypatch.setattr(bench.qwen_models, "random_transformer",
                         lambda device, dtype: qwen_tiny.tiny_transformer())
     monkeypatch.setattr(bench, "QWEN_PROFILE_TARGET", (4, 4))
     monkeypatch.setenv("VLLM_OMNI_SENSENOVA_PAGED_DECODE", "0")  # 0.30's in-tree path stays off
@@ -232,7 +232,7 @@ def test_flashinfer_missing_says_what_to_build(monkeypatch, tmp_path):
 
 
 def test_flashinfer_status_note_points_at_the_kernel_rows(monkeypatch):
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     note = rm.flashinfer_status()
@@ -299,11 +299,11 @@ def test_profile_parts_pick_the_profiles_and_fp8_says_why_it_cannot_run_here(tmp
     """``--profile-parts graph_fp8`` profiles only the one-request step with FP8 copies; without
     FP8 (this CPU) its entry is the error that says why, and nothing else runs."""
     import bench
-    from vllm_omni_graphdecode import kernels
+    from vllm_omni_graphdecode.ops import attention as kernels
 
     monkeypatch.setattr(bench, "sensenova_model", lambda: tiny_lm)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda env: 1e11)
-    monkeypatch.setattr(bench.kernels, "select_kernel", lambda *a, **k: kernels.REFERENCE)
+    monkeypatch.setattr(bench.attention, "select_kernel", lambda *a, **k: kernels.REFERENCE)
     monkeypatch.setattr(bench.rm, "has_intree_paged_decode", lambda: False)
     args = SimpleNamespace(out=str(tmp_path), tag="cpu", profile_context=20, profile_steps=3,
                            profile_eager_steps=3, fa=["3"], pending=[], profile_parts=["graph_fp8"])

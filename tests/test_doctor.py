@@ -55,10 +55,11 @@ def test_doctor_flags_invalid_config_with_exit_2():
 def test_doctor_fp8_line_names_the_kernels_where_fp8_runs(monkeypatch):
     """The branches a GPU takes, on CPU: the line names the one-row GEMV, or Marlin with the
     GEMV's reason (an H200 printed ``unknown: AttributeError`` here before this was tested)."""
-    from vllm_omni_graphdecode import cli, fp8, fp8_gemv
+    from vllm_omni_graphdecode import cli
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv, marlin, w8a8
 
-    monkeypatch.setattr(fp8, "available", lambda device: None)
-    monkeypatch.setattr(fp8, "w8a8_available", lambda device: None)
+    monkeypatch.setattr(marlin, "available", lambda device: None)
+    monkeypatch.setattr(w8a8, "w8a8_available", lambda device: None)
     monkeypatch.setattr(fp8_gemv, "available", lambda device: None)
     line = cli.fp8_report("cuda:0")
     assert line.startswith("decode steps: e4m3 weights, bf16 activations: one request through "

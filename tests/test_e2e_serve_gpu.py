@@ -131,7 +131,8 @@ CASES = {
 # f"{od_config.model_class_name!r} does not support request-level batching. ...").
 NO_REQUEST_BATCH = "does not support request-level batching"
 MIXED = f"sensenova_mixed_{CONCURRENT}"  # e2e_serve.py's request kind of sensenova_batch8_on
-# SenseNova-U1's counters of the batched path (hooks/sensenova_u1/batch.py, batch_decode.py).
+# SenseNova-U1's counters of the batched path (hooks/sensenova_u1/batch.py,
+# decode/batch/decoder.py).
 BATCH_COUNTERS = ("batch_declared", "batch_forward", "batch_requests", "batch_launch",
                   "batch_rows", "batch_row_join", "batch_capture", "batch_eager_launch")
 
@@ -342,8 +343,8 @@ def batch_evidence(run) -> dict:
     * ``batch_forward`` (batch.py): a ``forward`` served through the batched path, the
       ``turns`` group whose decode loops meet in one launch; ``batch_requests``: the requests
       of those forwards. ``batch_requests > batch_forward``: some forward was handed two or more.
-    * ``batch_launch`` (batch_decode.py): one batched decode launch; ``batch_rows``: the rows
-      decoded, summed over launches (no per-launch count is recorded). ``batch_rows >
+    * ``batch_launch`` (decode/batch/decoder.py): one batched decode launch; ``batch_rows``: the
+      rows decoded, summed over launches (no per-launch count is recorded). ``batch_rows >
       batch_launch``: some launch decoded two or more requests' rows together.
     """
     counters = _counters(run)
@@ -700,10 +701,11 @@ def test_mixed_sensenova_requests_sent_together_equal_their_serial_answers_exact
 
 def test_worker_counters_show_batched_forwards_and_launches_of_several_requests(runs):
     """The batched path ran and really batched (``batch_evidence``: counters of
-    hooks/sensenova_u1/batch.py and batch_decode.py): ``batch_forward`` and ``batch_launch`` > 0;
-    ``batch_requests > batch_forward`` (a forward was handed several requests) and
-    ``batch_rows > batch_launch`` (a launch decoded several rows: batch_decode.py records rows
-    summed over launches, not per launch, so this is how "a launch of more than one row" shows).
+    hooks/sensenova_u1/batch.py and decode/batch/decoder.py): ``batch_forward`` and
+    ``batch_launch`` > 0; ``batch_requests > batch_forward`` (a forward was handed several
+    requests) and ``batch_rows > batch_launch`` (a launch decoded several rows:
+    decode/batch/decoder.py records rows summed over launches, not per launch, so this is how "a
+    launch of more than one row" shows).
     The first request to arrive may run alone; the ones queued behind it share a forward."""
     if not BATCHING:
         pytest.skip(f"vllm-omni {OMNI_RELEASE}: no request batching declared ({NOT_DECLARED})")

@@ -14,8 +14,8 @@ import collections
 import pytest
 import torch
 
-from vllm_omni_graphdecode import eligibility
-from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.core import eligibility
+from vllm_omni_graphdecode.testing import sensenova as st
 
 PLACE = "model.layers.1.mlp"
 

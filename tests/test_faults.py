@@ -21,11 +21,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, kernels, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import reasons, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
 from vllm_omni_graphdecode.hooks.sensenova_u1 import rules as hook_rules
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.ops import attention as kernels
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_batch import _answer, _batch, _pipeline, _request  # noqa: F401
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
@@ -226,7 +228,7 @@ def test_a_failed_capture_mid_batch_lets_the_rows_go_on_without_graphs_until_a_r
     served), and capture fails (no CUDA here: a real failed capture, repaired): that launch runs
     without a graph, and so does every later one, this forward's and the next's, until a release
     lets capture try again. Every answer is its answer without it."""
-    from vllm_omni_graphdecode import batch_decode
+    from vllm_omni_graphdecode.decode.batch import decoder as batch_decode
 
     pipe = _pipeline(checkpoint)
     requests = _texts(sampled=True)

@@ -21,12 +21,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_omni_graphdecode import ar_session, batch_decode, config, paged_decode, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import reasons, stats
+from vllm_omni_graphdecode.decode import paged as paged_decode
+from vllm_omni_graphdecode.decode.batch import decoder as batch_decode
+from vllm_omni_graphdecode.decode import session as ar_session
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
 from vllm_omni_graphdecode.hooks.sensenova_u1 import rules as hook_rules
 from vllm_omni_graphdecode.hooks.sensenova_u1 import step as step_mod
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (request builders)
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture

@@ -1,14 +1,14 @@
-"""FP8 weight copies (``fp8.py``, issue #23) on the CPU: the per-row quantisation and why the
+"""FP8 weight copies (``ops/fp8/``, issue #23) on the CPU: the per-row quantisation and why the
 copies cannot run here. The Marlin GEMM itself runs in ``tests/test_sensenova_fp8_gpu.py``."""
 
 import torch
 
-from vllm_omni_graphdecode import fp8
+from vllm_omni_graphdecode.ops.fp8 import linears as fp8_linears, marlin as fp8_marlin, quant, w8a8
 
 
 def test_fp8_is_unavailable_on_a_cpu_with_the_reason():
-    why = fp8.available("cpu")
-    assert why is not None and why.same(fp8.NO_FP8) and why.detail == "device is cpu"
+    why = fp8_marlin.available("cpu")
+    assert why is not None and why.same(quant.NO_FP8) and why.detail == "device is cpu"
 
 
 def test_quantize_rows_keeps_each_row_within_e4m3_rounding_of_its_own_scale():
@@ -16,16 +16,16 @@ def test_quantize_rows_keeps_each_row_within_e4m3_rounding_of_its_own_scale():
     w = torch.randn(300, 96, dtype=torch.bfloat16) * torch.logspace(-3, 1, 300)[:, None]
     w = w.to(torch.bfloat16)
     w[7] = 0  # a row of zeros
-    w8, scale = fp8.quantize_rows(w, chunk=128)  # three chunks, the last one short
+    w8, scale = quant.quantize_rows(w, chunk=128)  # three chunks, the last one short
     assert w8.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     amax = w.float().abs().amax(dim=1)
     nonzero = amax > 0
-    torch.testing.assert_close(scale[nonzero], amax[nonzero] / fp8.FP8_MAX)
+    torch.testing.assert_close(scale[nonzero], amax[nonzero] / quant.FP8_MAX)
     assert scale[7] == 1 and not w8[7].float().any()
     # Each row's largest element lands on +-448 (e4m3's largest), so the row uses e4m3's range.
     top = w8.float().abs().amax(dim=1)
-    assert torch.all(top[nonzero] == fp8.FP8_MAX)
-    back = fp8.dequantize(w8, scale)
+    assert torch.all(top[nonzero] == quant.FP8_MAX)
+    back = quant.dequantize(w8, scale)
     err = (back - w.float()).abs()
     # e4m3 keeps 3 mantissa bits: a normal value is off by at most 2^-4 of itself; values under
     # the smallest normal (2^-6 of the scale) by at most half the subnormal step (2^-10 of it).
@@ -38,12 +38,12 @@ def test_linear_runs_f_linear_for_a_tensor_and_w8a8_with_bias_for_a_copy():
     x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
     w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
     bias = torch.randn(48, dtype=torch.bfloat16)
-    assert torch.equal(fp8.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
-    w8, scale = fp8.w8a8_weight(w)
-    got = fp8.linear(x, (w8, scale), bias)
+    assert torch.equal(w8a8.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
+    w8, scale = w8a8.w8a8_weight(w)
+    got = w8a8.linear(x, (w8, scale), bias)
     assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, fp8.w8a8_reference(x, w8, scale, bias), rtol=1e-2, atol=1e-2)
-    without = fp8.linear(x, (w8, scale))
+    torch.testing.assert_close(got, w8a8.w8a8_reference(x, w8, scale, bias), rtol=1e-2, atol=1e-2)
+    without = w8a8.linear(x, (w8, scale))
     torch.testing.assert_close(got.float() - without.float(), bias.float().expand_as(got),
                                rtol=0, atol=0.07)  # bf16 rounding of outputs up to ~8
 
@@ -51,7 +51,7 @@ def test_linear_runs_f_linear_for_a_tensor_and_w8a8_with_bias_for_a_copy():
 def test_w8a8_copies_are_made_once_refreshed_in_place_and_made_again_after_release():
     torch.manual_seed(2)
     weight = torch.nn.Parameter((torch.randn(32, 64) * 0.05).to(torch.bfloat16), requires_grad=False)
-    copies = fp8.W8A8Copies()
+    copies = w8a8.W8A8Copies()
     w8, scale = copies(weight)
     assert copies(weight)[0] is w8 and len(copies) == 1
     assert copies.nbytes == 32 * 64 + 32 * 4
@@ -62,7 +62,7 @@ def test_w8a8_copies_are_made_once_refreshed_in_place_and_made_again_after_relea
         weight.mul_(2)
     again = copies(weight)
     assert (again[0].data_ptr(), again[1].data_ptr()) == addresses
-    want = fp8.w8a8_weight(weight)
+    want = w8a8.w8a8_weight(weight)
     assert torch.equal(again[0].float(), want[0].float()) and torch.equal(again[1], want[1])
     # A write through .data leaves no trace on the parameter: only a release (sleep) sees it.
     weight.data.mul_(0.5)
@@ -70,11 +70,11 @@ def test_w8a8_copies_are_made_once_refreshed_in_place_and_made_again_after_relea
     copies.release()
     assert len(copies) == 0 and copies.nbytes == 0
     fresh = copies(weight)
-    assert fresh[0] is not w8 and torch.equal(fresh[1], fp8.w8a8_weight(weight)[1])
+    assert fresh[0] is not w8 and torch.equal(fresh[1], w8a8.w8a8_weight(weight)[1])
 
 
 def test_w8a8_copy_goes_with_its_weight():
-    copies = fp8.W8A8Copies()
+    copies = w8a8.W8A8Copies()
     weight = torch.nn.Parameter(torch.ones(16, 32, dtype=torch.bfloat16), requires_grad=False)
     copies(weight)
     assert len(copies) == 1
@@ -82,11 +82,11 @@ def test_w8a8_copy_goes_with_its_weight():
     assert len(copies) == 0
 
 
-# -- the one-row GEMV (fp8_gemv.py), under Triton's CPU interpreter -------------------------------
+# -- the one-row GEMV (ops/fp8/gemv.py), under Triton's CPU interpreter ---------------------------
 
 GEMV_INTERPRETED = """
 import torch
-from vllm_omni_graphdecode import fp8, fp8_gemv
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv, quant
 
 g = torch.Generator().manual_seed(0)
 # (N, K, bias): one even shape, N and K that no block divides, a K shorter than one block step.
@@ -97,7 +97,7 @@ for n, k, with_bias in [(64, 1024, True), (72, 200, False), (40, 96, True)]:
     x = torch.randn(5, k, generator=g).bfloat16()
     y = copy(x)
     assert y.shape == (5, n) and y.dtype == torch.bfloat16
-    want = x.float() @ fp8.dequantize(copy.w8, copy.scale).T
+    want = x.float() @ quant.dequantize(copy.w8, copy.scale).T
     if bias is not None:
         want = want + bias.float()
     # The products of e4m3 and bf16 values are exact in fp32; what is left is the fp32 sum's
@@ -200,32 +200,33 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
 def test_fp8_gemv_block_sizes_come_from_the_shape_alone():
     """SenseNova-U1's shapes take the measured table's block sizes, which divide them evenly;
     another shape takes the rule's, with enough programs to keep every SM streaming."""
-    from vllm_omni_graphdecode import fp8_gemv
+    from vllm_omni_graphdecode.hooks.sensenova_u1.gemv_table import MEASURED
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 
     shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
               "down": (4096, 12288)}
     for name, (n, k) in shapes.items():
-        cfg = fp8_gemv.config_for(n, k)
-        assert cfg is fp8_gemv.MEASURED[(n, k)] and cfg == fp8_gemv.config_for(n, k), name
+        cfg = fp8_gemv.config_for(n, k, MEASURED)
+        assert cfg is MEASURED[(n, k)] and cfg == fp8_gemv.config_for(n, k, MEASURED), name
         assert n % cfg.block_n == 0 and k % cfg.block_k == 0, name
     for n, k in ((5120, 5120), (13824, 5120), (4096, 11008)):
-        cfg = fp8_gemv.config_for(n, k)
-        assert (n, k) not in fp8_gemv.MEASURED and n % cfg.block_n == 0, (n, k)
+        cfg = fp8_gemv.config_for(n, k, MEASURED)
+        assert (n, k) not in MEASURED and n % cfg.block_n == 0, (n, k)
         assert n // cfg.block_n >= 4 * 128, (n, k, cfg)  # ~4 programs per SM of an H200's 132
     assert fp8_gemv.config_for(40, 96).block_k == 128
 
 
 def test_fp8_one_row_linears_keep_marlin_where_the_gemv_cannot_run():
-    from vllm_omni_graphdecode import fp8_gemv
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 
     why = fp8_gemv.available("cpu")
     assert why is not None and why.same(fp8_gemv.NO_GEMV) and "cpu" in why.detail
     assert "Marlin" in why.hint  # what runs instead, said in the WARNING line
-    linears = fp8.Fp8Linears("sensenova_u1", one_row=True, device="cpu")
-    assert linears.gemv is False and linears._make is fp8.Fp8Weight
+    linears = fp8_linears.Fp8Linears("sensenova_u1", one_row=True, device="cpu")
+    assert linears.gemv is False and linears._make is fp8_marlin.Fp8Weight
     assert linears.why_not_gemv is not None and linears.why_not_gemv.same(fp8_gemv.NO_GEMV)
-    batched = fp8.Fp8Linears("sensenova_u1")
-    assert batched._make is fp8.Fp8Weight and batched.why_not_gemv is None
+    batched = fp8_linears.Fp8Linears("sensenova_u1")
+    assert batched._make is fp8_marlin.Fp8Weight and batched.why_not_gemv is None
     assert "vLLM Marlin" in batched.describe()
 
 
@@ -235,18 +236,18 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
     logits-processor setting the copy would skip (soft cap, scale, logits as input, another
     head dtype); where the one-row GEMV's copies serve it is made from the head's rows (its
     bytes counted, the load line naming it), and ``release`` drops it until the next use."""
-    from vllm_omni_graphdecode import fp8_gemv
-    from vllm_omni_graphdecode.testing import random_models as st
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+    from vllm_omni_graphdecode.testing import sensenova as st
 
     lm = st.build_lm(dtype=torch.bfloat16)
-    marlin = fp8.Fp8Linears("sensenova_u1")
+    marlin = fp8_linears.Fp8Linears("sensenova_u1")
     why = marlin.quantize_head(lm)
-    assert why is not None and why.same(fp8.HEAD_KEPT) and "Marlin" in why.detail
+    assert why is not None and why.same(fp8_linears.HEAD_KEPT) and "Marlin" in why.detail
     assert not marlin.has_head and marlin.logits(torch.zeros(1, 64)) is None
 
     # The GEMV's layout (what Fp8Linears(one_row=True) picks on a GPU that runs it); its
     # constructor only quantises, which the CPU does.
-    linears = fp8.Fp8Linears("sensenova_u1")
+    linears = fp8_linears.Fp8Linears("sensenova_u1")
     linears.gemv, linears._make = True, fp8_gemv.Fp8GemvWeight
     processor = lm.logits_processor
     for attr, value, said in (("soft_cap", 30.0, "soft-caps at 30.0"),
@@ -259,7 +260,8 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
             why = linears.quantize_head(lm)
         finally:
             setattr(processor, attr, before)
-        assert why is not None and why.same(fp8.HEAD_KEPT) and said in why.detail, (attr, why)
+        assert why is not None and why.same(fp8_linears.HEAD_KEPT) and said in why.detail, \
+            (attr, why)
         assert not linears.has_head
     assert linears.quantize_head(lm) is None and linears.has_head
     # vLLM pads the head's rows (96 -> 128 here); the logits keep the first org_vocab_size.
@@ -267,16 +269,16 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
     vocab = processor.org_vocab_size
     assert vocab < padded
     copy = linears._head_copy
-    assert copy.w8.shape == (vocab, hidden) and copy.w8.dtype == fp8.FP8_DTYPE
+    assert copy.w8.shape == (vocab, hidden) and copy.w8.dtype == quant.FP8_DTYPE
     assert linears.nbytes == copy.nbytes == vocab * hidden + vocab * 4
     assert "linear layers and lm_head" in linears.describe()
-    w8, scale = fp8.quantize_rows(lm.lm_head.weight.detach()[:vocab])
+    w8, scale = quant.quantize_rows(lm.lm_head.weight.detach()[:vocab])
     assert torch.equal(copy.w8.view(torch.uint8), w8.view(torch.uint8))
     assert torch.equal(copy.scale, scale)
     linears.release()
     assert linears._head_copy is None and linears.has_head  # made again at the next use
     # A head replaced since (or wrapped by an active LoRA adapter): the model's own runs, counted.
-    from vllm_omni_graphdecode import stats
+    from vllm_omni_graphdecode.core import stats
 
     stats.reset()
     assert linears.logits(torch.zeros(1, hidden, dtype=torch.bfloat16),
@@ -300,13 +302,13 @@ def test_w8a8_copies_with_fast_accumulation_carry_the_flag_to_scaled_mm(monkeypa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", recording)
-    fast = fp8.W8A8Copies(fast_accum=True)(weight)
-    plain = fp8.W8A8Copies()(weight)
+    fast = w8a8.W8A8Copies(fast_accum=True)(weight)
+    plain = w8a8.W8A8Copies()(weight)
     assert len(fast) == 3 and fast[2] is True and len(plain) == 2
     assert torch.equal(fast[0].view(torch.uint8), plain[0].view(torch.uint8))
-    got = fp8.linear(x, fast)
-    want = fp8.linear(x, plain)
+    got = w8a8.linear(x, fast)
+    want = w8a8.linear(x, plain)
     assert seen == [True, False]
-    torch.testing.assert_close(got.float(), fp8.w8a8_reference(x, *plain).float(), rtol=2e-2,
+    torch.testing.assert_close(got.float(), w8a8.w8a8_reference(x, *plain).float(), rtol=2e-2,
                                atol=2e-2)
     assert got.shape == want.shape == (4, 16)

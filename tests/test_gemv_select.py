@@ -4,8 +4,8 @@ real SenseNova-U1 modules (tiny, CPU). The GEMV itself runs on CUDA only (test_s
 import pytest
 import torch
 
-from vllm_omni_graphdecode import gemv
-from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.ops import gemv
+from vllm_omni_graphdecode.testing import sensenova as st
 
 
 @pytest.fixture(scope="module")

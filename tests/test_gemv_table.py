@@ -1,11 +1,11 @@
-"""scripts/gpu/gemv_table.py: a GEMV sweep's picks become ``fp8_gemv.MEASURED``'s entries."""
+"""scripts/gpu/gemv_table.py: a GEMV sweep's picks become ``gemv_table.MEASURED``'s entries."""
 
 import json
 import os
 import subprocess
 import sys
 
-from vllm_omni_graphdecode import fp8_gemv
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,8 +23,9 @@ def test_gemv_table_writes_each_pick_into_measured(tmp_path):
     }
     doc = tmp_path / "fp8-gemv.json"
     doc.write_text(json.dumps({"gemv_sweep": sweep}))
-    source = tmp_path / "fp8_gemv.py"
-    original = open(os.path.join(ROOT, "vllm_omni_graphdecode", "fp8_gemv.py")).read()
+    source = tmp_path / "gemv_table.py"
+    original = open(os.path.join(ROOT, "vllm_omni_graphdecode", "hooks", "sensenova_u1",
+                                 "gemv_table.py")).read()
     source.write_text(original)
     args = [str(doc), str(source)]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "gemv_table.py"),

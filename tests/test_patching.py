@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_omni_graphdecode import patching
+from vllm_omni_graphdecode.core import patching
 
 
 class Owner:

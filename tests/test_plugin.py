@@ -9,9 +9,10 @@ import types
 import pytest
 
 import vllm_omni_graphdecode
-from vllm_omni_graphdecode import config, hooks, loading, stats
-from vllm_omni_graphdecode.patching import HookRefused
-from vllm_omni_graphdecode.reasons import Reason
+from vllm_omni_graphdecode import config, hooks, models
+from vllm_omni_graphdecode.core import loading, stats
+from vllm_omni_graphdecode.core.patching import HookRefused
+from vllm_omni_graphdecode.core.reasons import Reason
 
 GROUPS = ("vllm.general_plugins", "vllm_omni.general_plugins")
 
@@ -93,9 +94,9 @@ def _bare_runner(cls, pipeline):
 def _install_hook(monkeypatch, model, module):
     """Register ``module`` as ``model``'s hook, the one way a real hook is registered."""
     sys.modules[module.__name__] = module
-    rows = tuple(hooks.Model(m.key, m.title, module.__name__) if m.key == model else m
-                 for m in hooks.MODELS)
-    monkeypatch.setattr(hooks, "MODELS", rows)
+    rows = tuple(models.Model(m.key, m.title, module.__name__) if m.key == model else m
+                 for m in models.MODELS)
+    monkeypatch.setattr(models, "MODELS", rows)
     monkeypatch.setattr(config, "_CONFIG", config.parse({"VLLM_OMNI_GRAPHDECODE": model}))
 
 

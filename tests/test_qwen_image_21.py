@@ -26,11 +26,13 @@ from qwen_tiny import (
     tiny_pipeline,
     tiny_transformer,
 )
-from vllm_omni_graphdecode import config, prefix_graph, stats
-from vllm_omni_graphdecode.testing.random_models import synthetic_inputs
-from vllm_omni_graphdecode.patching import HookRefused
-from vllm_omni_graphdecode.reasons import Reason
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.core.patching import HookRefused
+from vllm_omni_graphdecode.core.reasons import Reason
+from vllm_omni_graphdecode.graphs import prefix as prefix_graph
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
+from vllm_omni_graphdecode.testing.qwen import synthetic_inputs
 
 MODEL = qwen.MODEL
 
@@ -450,7 +452,7 @@ def test_wire_attaches_sleep_release_and_summarises(model):
 
 
 def test_loading_offers_the_adapter_pipeline_to_the_hook(model):
-    from vllm_omni_graphdecode import loading
+    from vllm_omni_graphdecode.core import loading
 
     config.reset_for_tests(config.parse({"VLLM_OMNI_GRAPHDECODE": "qwen_image_21"}))
 
@@ -494,7 +496,7 @@ def test_compiled_transformer_is_refused_at_wiring(model):
 
 
 def test_support_names_every_supported_omni_version():
-    from vllm_omni_graphdecode.loading import SUPPORTED_OMNI
+    from vllm_omni_graphdecode.core.loading import SUPPORTED_OMNI
 
     assert set(qwen.support()) == set(SUPPORTED_OMNI)
 

@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from qwen_tiny import cached_reference, extract, request, tiny_transformer
 
-from vllm_omni_graphdecode import compiling, kernels
+from vllm_omni_graphdecode.core.reasons import Reason
+from vllm_omni_graphdecode.graphs import compiling
 from vllm_omni_graphdecode.hooks.qwen_image_21 import fast_step as fs
+from vllm_omni_graphdecode.ops import attention as kernels
 from vllm_omni_graphdecode.testing import qwen_fast as qf
-from vllm_omni_graphdecode.reasons import Reason
 
 LAYOUTS = [(5, ()), (11, ()), (6, ((2, 4),)), (5, ((4, 4), (2, 2)))]  # text tokens, references
 # The released model's head geometry (128 = 16 + 56 + 56 rotary dims), at 3 layers x 4 heads.
@@ -413,15 +414,15 @@ def test_gpu_flash_attention_equals_sdpa_within_bf16_error(keys):
 def test_w8a8_linear_equals_its_fp32_restatement(shape):
     """``torch._scaled_mm`` with row-wise scales (torch's CPU kernel here) computes the fp32
     product of the two e4m3 operands and their scales; a row of zeros stays zeros."""
-    from vllm_omni_graphdecode import fp8
+    from vllm_omni_graphdecode.ops.fp8 import w8a8
 
     torch.manual_seed(0)
     x = torch.randn(*shape, dtype=torch.bfloat16)
     x[0, 0] = 0
-    w8, scale = fp8.w8a8_weight(torch.randn(96, shape[-1], dtype=torch.bfloat16) * 0.02)
-    got = fp8.w8a8_linear(x, w8, scale)
+    w8, scale = w8a8.w8a8_weight(torch.randn(96, shape[-1], dtype=torch.bfloat16) * 0.02)
+    got = w8a8.w8a8_linear(x, w8, scale)
     assert got.shape == (*shape[:-1], 96) and not got[0, 0].any()
-    torch.testing.assert_close(got, fp8.w8a8_reference(x, w8, scale), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(got, w8a8.w8a8_reference(x, w8, scale), rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -471,10 +472,10 @@ def test_gpu_fp8_compiled_fa3_body_stays_near_fp32_diffusers():
     released head geometry, results h200-2026-12-01f): 12.0%, against 1.0% for diffusers' own
     bf16 blocks: W8A8 rounding through three blocks, not the kernels (the CPU test's two blocks:
     7.9%). Bound 15%."""
-    from vllm_omni_graphdecode import fp8
+    from vllm_omni_graphdecode.ops.fp8 import w8a8
 
-    if fp8.w8a8_available("cuda") is not None:
-        pytest.skip(fp8.w8a8_available("cuda").describe())
+    if w8a8.w8a8_available("cuda") is not None:
+        pytest.skip(w8a8.w8a8_available("cuda").describe())
     model, _, cache, seen = setup(torch.bfloat16, 1, 40, ((8, 8),), device="cuda", config=GPU_CONFIG)
     attention = kernels.select_dense_attention("cuda", 128, torch.bfloat16)
     fast = fs.FastBlocks(model, attention, compile=True, fp8=True)

@@ -26,7 +26,9 @@ from qwen_tiny import (
     tiny_pipeline,
     tiny_transformer,
 )
-from vllm_omni_graphdecode import config, cuda_graphs, prefix_graph, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.graphs import capture as cuda_graphs, prefix as prefix_graph
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -278,7 +280,7 @@ def _close_to(got, want, what):
 
 @pytest.mark.parametrize("reference_shapes", [(), ((16, 16), (8, 8))], ids=["t2i", "edit2"])
 def test_fast_step_is_close_to_diffusers_and_its_replay_equals_its_eager_run(reference_shapes):
-    from vllm_omni_graphdecode import kernels
+    from vllm_omni_graphdecode.ops import attention as kernels
 
     model = gpu_model()
     kwargs = request(model, text_tokens=TEXT, reference_shapes=reference_shapes,
@@ -351,8 +353,8 @@ def test_fast_mode_precompile_at_load_leaves_nothing_to_compile_for_the_first_re
 
 
 def test_fast_mode_without_flashattention_falls_back_to_sdpa_with_its_reason(monkeypatch):
-    from vllm_omni_graphdecode import kernels
     from vllm_omni_graphdecode.hooks.qwen_image_21 import cached_step
+    from vllm_omni_graphdecode.ops import attention as kernels
 
     def missing():
         raise ImportError("injected: no vllm.vllm_flash_attn here")

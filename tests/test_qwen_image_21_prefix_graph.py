@@ -9,8 +9,9 @@ import threading
 import pytest
 import torch
 
-from vllm_omni_graphdecode import cuda_graphs, stats
-from vllm_omni_graphdecode import prefix_graph as pg
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.graphs import capture as cuda_graphs
+from vllm_omni_graphdecode.graphs import prefix as pg
 
 MODEL = "prefix_graph_test"
 

@@ -26,7 +26,8 @@ from qwen_tiny import (
     tiny_pipeline,
     tiny_transformer,
 )
-from vllm_omni_graphdecode import config, patching, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import patching, reasons, stats
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 
 MODEL = qwen.MODEL

@@ -148,7 +148,7 @@ def test_real_size_components_have_the_released_parameter_counts():
     """On the meta device: no memory, no weights drawn; the shapes only."""
     tok = qi.prompt_tokenizer(qi._tokenizer_corpus([qi.DEFAULT_PROMPT]))
     ids = {t: tok.convert_tokens_to_ids(t) for t in qi.tiny.QWEN_VL_SPECIAL_TOKENS}
-    from vllm_omni_graphdecode.testing.random_models import random_transformer
+    from vllm_omni_graphdecode.testing.qwen import random_transformer
 
     def count(module):
         return sum(p.numel() for p in module.parameters())

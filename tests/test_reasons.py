@@ -8,8 +8,8 @@ import importlib
 import pkgutil
 
 import vllm_omni_graphdecode
-from vllm_omni_graphdecode import reasons
-from vllm_omni_graphdecode.reasons import Reason
+from vllm_omni_graphdecode.core import reasons
+from vllm_omni_graphdecode.core.reasons import Reason
 
 # Meanings more than one hook or mechanism meets, the words a key with that meaning has, and the
 # one shared Reason that must carry it.
@@ -72,10 +72,11 @@ def test_a_meaning_two_hooks_share_is_the_shared_reason_wherever_it_is_met():
 
 
 def test_hooks_and_mechanisms_export_the_shared_objects():
-    from vllm_omni_graphdecode import kernels, layer_ops, prefix_graph
+    from vllm_omni_graphdecode.graphs import prefix as prefix_graph
     from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
     from vllm_omni_graphdecode.hooks.qwen_image_21 import cached_step, fast_step
     from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, fast_denoise, rules
+    from vllm_omni_graphdecode.ops import attention as kernels, layer_ops
 
     assert kernels.NOT_CUDA is layer_ops.NOT_CUDA is qwen.NOT_CUDA is denoise.NOT_CUDA \
         is reasons.NOT_CUDA

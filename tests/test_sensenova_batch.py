@@ -17,11 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import batch_decode, batch_kv, config, loading, reasons, stats, turns
-from vllm_omni_graphdecode.cuda_graphs import CaptureFailed
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import loading, reasons, stats
+from vllm_omni_graphdecode.decode import sampling
+from vllm_omni_graphdecode.decode.batch import decoder as batch_decode, kv as batch_kv, turns
+from vllm_omni_graphdecode.graphs.capture import CaptureFailed
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 
@@ -149,8 +152,8 @@ def test_draws_follow_softmax_at_the_temperature_and_not_at_twice_it():
     n = 4000
     temperature = 0.7
     seeds = torch.arange(n, dtype=torch.long)
-    tokens = [int(batch_decode.choose(logits, torch.tensor([temperature]), seeds[i:i + 1],
-                                      torch.tensor([7]), True)[0]) for i in range(n)]
+    tokens = [int(sampling.choose(logits, torch.tensor([temperature]), seeds[i:i + 1],
+                                  torch.tensor([7]), True)[0]) for i in range(n)]
     counts = np.bincount(tokens, minlength=5)
 
     def p_value(t):
@@ -167,25 +170,25 @@ def test_a_rows_draw_depends_on_its_seed_and_position_only():
     temps = torch.tensor([0.8, 0.0, 1.2, 0.8])
     seeds = torch.tensor([3, 4, 5, 6])
     positions = torch.tensor([10, 11, 12, 13])
-    out = batch_decode.choose(logits, temps, seeds, positions, True)
+    out = sampling.choose(logits, temps, seeds, positions, True)
     # Row 0 alone, its neighbours gone: the same token.
-    alone = batch_decode.choose(logits[:1], temps[:1], seeds[:1], positions[:1], True)
+    alone = sampling.choose(logits[:1], temps[:1], seeds[:1], positions[:1], True)
     assert int(alone[0]) == int(out[0])
     assert int(out[1]) == int(logits[1].argmax())  # temperature 0: the loop's argmax
-    u = batch_decode.uniform(torch.tensor([3, 3, 4]), torch.tensor([10, 11, 10]), 1000)
+    u = sampling.uniform(torch.tensor([3, 3, 4]), torch.tensor([10, 11, 10]), 1000)
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert float(u.min()) > 0 and float(u.max()) < 1
 
 
 @pytest.mark.parametrize("params,think,want", [
-    ({"t_idx": 3, "max_think_tokens": 64}, True, batch_decode.RowSampling()),  # think: argmax
-    ({"do_sample": False, "temperature": 0.7}, False, batch_decode.RowSampling()),
-    ({"do_sample": True, "temperature": 0.0}, False, batch_decode.RowSampling()),
-    ({"do_sample": True, "temperature": 0.7}, False, batch_decode.RowSampling(0.7, 0)),
+    ({"t_idx": 3, "max_think_tokens": 64}, True, sampling.RowSampling()),  # think: argmax
+    ({"do_sample": False, "temperature": 0.7}, False, sampling.RowSampling()),
+    ({"do_sample": True, "temperature": 0.0}, False, sampling.RowSampling()),
+    ({"do_sample": True, "temperature": 0.7}, False, sampling.RowSampling(0.7, 0)),
     ({"do_sample": True, "temperature": torch.tensor(0.7)}, False, reasons.ARGUMENTS),
     ({"do_sample": True, "temperature": True}, False, reasons.ARGUMENTS),
     (None, False, reasons.ARGUMENTS),  # the text loop's arguments could not be bound
-    (None, True, batch_decode.RowSampling()),
+    (None, True, sampling.RowSampling()),
     # a parameter the device-side choice does not implement: the loop's own picks
     ({"do_sample": True, "temperature": 0.7, "top_k": 5}, False, batch_mod.UNKNOWN_LOOP_PARAMS),
     ({"do_sample": False, "temperature": 0.7, "top_p": 0.9}, False,
@@ -509,7 +512,7 @@ def test_on_a_release_that_loses_batched_outputs_the_engine_still_refuses_with_t
     """vllm-omni 0.26's executor can lose a request batch's outputs (``batch.py``,
     ``ENGINE_LOSES_BATCHES``): there the plugin declares nothing and says why; 0.28 and 0.30 are
     safe."""
-    from vllm_omni_graphdecode import patching
+    from vllm_omni_graphdecode.core import patching
 
     assert batch_mod.engine_loses_batches("0.28.0") is None
     assert batch_mod.engine_loses_batches("0.30.0") is None

@@ -106,7 +106,7 @@ def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_pat
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import sensenova_batch as sb
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     lm = rm.build_lm()
     hidden = torch.zeros(8, lm.lm_head.weight.shape[1], dtype=lm.lm_head.weight.dtype)

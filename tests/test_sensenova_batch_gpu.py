@@ -28,11 +28,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import batch_kv, config, stats, turns
-from vllm_omni_graphdecode.batch_decode import BatchDecoder, RowSampling
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.decode.batch import kv as batch_kv, turns
+from vllm_omni_graphdecode.decode.batch.decoder import BatchDecoder
+from vllm_omni_graphdecode.decode.sampling import RowSampling
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm, common
 
 from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (shared request builders)
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
@@ -167,7 +170,7 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from vllm_omni_graphdecode import config
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
     from test_sensenova_batch import _answer, _batch, _request
     answers = {{}}
     for rows in (1, 4):
@@ -225,9 +228,9 @@ def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoin
                 _request(1, "two cats and a dog", text=80)]
     base = [_answer(o) for o in pipe.forward(_batch(requests))]
     wrappers = rm.add_lora_wrappers(pipe.language_model)
-    rm.bind_adapter(wrappers)
+    common.bind_adapter(wrappers)
     adapted = [_answer(o) for o in pipe.forward(_batch(requests))]
-    rm.unbind_adapter(wrappers)
+    common.unbind_adapter(wrappers)
     again = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert adapted != base, "the adapter changed nothing: the test would prove nothing"
     assert again == base

@@ -1,10 +1,10 @@
 """The SenseNova-U1 hook on the installed vllm-omni's real code, on CPU.
 
 The model, the pipeline's think/text loops and the tokenizer handling are vllm-omni's own
-(``vllm_omni_graphdecode/testing/random_models.py`` builds a 2-layer model and a local tokenizer; the pipeline object is
-made with ``object.__new__`` because its ``__init__`` loads a checkpoint). The paged path runs
-with ``kernels.REFERENCE`` as its kernel and without graphs (there is no GPU); everything else
-(patches, sessions, write-back, eligibility, fallbacks) is the production code.
+(``vllm_omni_graphdecode/testing/sensenova.py`` builds a 2-layer model and a local tokenizer; the
+pipeline object is made with ``object.__new__`` because its ``__init__`` loads a checkpoint). The
+paged path runs with ``kernels.REFERENCE`` as its kernel and without graphs (there is no GPU);
+everything else (patches, sessions, write-back, eligibility, fallbacks) is the production code.
 
 Buckets are 32,64 (tail step 32) so a 20-token prompt decoding 70 tokens crosses a bucket
 boundary (32 -> 64) and grows past the last bucket (-> 96).
@@ -16,10 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode.testing import random_models as st
-from vllm_omni_graphdecode import config, kernels, loading, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import loading, stats
+from vllm_omni_graphdecode.core.patching import HookRefused
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
-from vllm_omni_graphdecode.patching import HookRefused
+from vllm_omni_graphdecode.ops import attention as kernels
+from vllm_omni_graphdecode.testing import sensenova as st, common
 
 MODEL = hook.MODEL
 PROMPT = 20
@@ -312,7 +314,7 @@ def test_a_second_request_waits_for_the_decode_in_flight_then_takes_the_paged_pa
     tok = _PausingTokenizer(tiny.tok)
     pipe = st.build_pipeline(tiny.lm, tok)
     hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
-    lock = _state(pipe).sessions.lock = st.ObservedLock()
+    lock = _state(pipe).sessions.lock = common.ObservedLock()
     results = {}
     first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
     tok.thread = first
@@ -368,7 +370,7 @@ def test_lora_wrappers_base_lora_base_each_match_eager(tiny):
     wrappers = st.add_lora_wrappers(lm)
     results = []
     for bound in (False, True, False):
-        (st.bind_adapter if bound else st.unbind_adapter)(wrappers)
+        (common.bind_adapter if bound else common.unbind_adapter)(wrappers)
         want = st.run_think(eager, tiny.ids, SHORT)
         got = st.run_think(pipe, tiny.ids, SHORT)
         _assert_same_think(got, want)
@@ -534,7 +536,7 @@ def test_release_from_another_thread_waits_for_the_request_in_flight(tiny, eager
     tok = _PausingTokenizer(tiny.tok)
     pipe = st.build_pipeline(tiny.lm, tok)
     hook.install(pipe, _cfg(), None, kernel=kernels.REFERENCE, graphs=False)
-    lock = _state(pipe).sessions.lock = st.ObservedLock()
+    lock = _state(pipe).sessions.lock = common.ObservedLock()
     results, released = {}, threading.Event()
     first = threading.Thread(target=lambda: results.update(a=st.run_think(pipe, tiny.ids, STEPS)))
     tok.thread = first

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, patching, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import patching, stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 MODEL = denoise.MODEL
 

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, cuda_graphs, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import reasons, stats
+from vllm_omni_graphdecode.graphs import capture as cuda_graphs
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 
@@ -138,7 +140,7 @@ def test_gpu_capture_failure_runs_the_pipelines_own_steps_with_equal_output(
 @pytest.mark.parametrize("where", ["allocating", "capturing"])
 def test_gpu_out_of_memory_runs_the_pipelines_own_steps_with_equal_output(
         checkpoint, eager, monkeypatch, where):  # noqa: F811
-    from vllm_omni_graphdecode import prefix_graph
+    from vllm_omni_graphdecode.graphs import prefix as prefix_graph
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("injected")
@@ -240,8 +242,8 @@ def test_gpu_fp8_compiled_step_equals_its_fp32_w8a8_restatement_within_bf16_roun
     both over the same first step (same prefill, same noise). A wrong scale, a transposed copy or
     a stale one would be off by the size of the output; bf16 rounding of the regions and of
     ``_scaled_mm``'s output is what remains. Bound 5% of max |v| (first H200 run: printed)."""
-    from vllm_omni_graphdecode import fp8
     from vllm_omni_graphdecode.hooks.sensenova_u1 import fast_denoise
+    from vllm_omni_graphdecode.ops.fp8 import w8a8
 
     request = rm.image_request(num_steps=1)
     env = dict(VLLM_OMNI_GRAPHDECODE_FP8="sensenova_denoise",
@@ -252,7 +254,7 @@ def test_gpu_fp8_compiled_step_equals_its_fp32_w8a8_restatement_within_bf16_roun
     def restated(x, weight, bias=None):
         if torch.is_tensor(weight):
             return torch.nn.functional.linear(x, weight, bias)
-        return fp8.w8a8_reference(x, *weight, bias)
+        return w8a8.w8a8_reference(x, *weight, bias)
 
     pipe = rm.load_sensenova_pipeline(checkpoint, device="cuda", dtype=torch.bfloat16)
     hook.install(pipe, _cfg(**env), None, image_graphs=False)

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, fast_denoise, wiring
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import DTYPE, checkpoint  # noqa: F401 - the tiny checkpoint fixture
 

@@ -21,10 +21,11 @@ not how a trained checkpoint behaves (docs/performance.md cites upstream's real-
 import pytest
 import torch
 
-from vllm_omni_graphdecode import fp8, fp8_gemv, stats
+from vllm_omni_graphdecode.core import stats
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step
-from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv, linears as fp8_linears, marlin, quant
+from vllm_omni_graphdecode.testing import sensenova as st, common
 
 from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (shared request builders)
 from test_sensenova_batch_gpu import _mixed, _pipeline
@@ -40,7 +41,7 @@ REAL = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 
 @pytest.fixture(autouse=True)
 def _needs_fp8():
-    why = fp8.available("cuda")
+    why = marlin.available("cuda")
     if why is not None:
         pytest.skip(why.describe())
 
@@ -56,7 +57,7 @@ def _tensors(copy):
     return list(copy._holder.parameters())
 
 
-KERNELS = {"marlin": fp8.Fp8Weight, "gemv": fp8_gemv.Fp8GemvWeight}
+KERNELS = {"marlin": marlin.Fp8Weight, "gemv": fp8_gemv.Fp8GemvWeight}
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
@@ -74,8 +75,8 @@ def test_gpu_fp8_copy_computes_its_dequantised_weight_and_rows_do_not_mix(gpu, k
         for w, bias in cases:
             copy = KERNELS[kernel](w, bias)
             x = torch.randn(16, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            w8, scale = fp8.quantize_rows(w)
-            want = x.float() @ fp8.dequantize(w8, scale).T
+            w8, scale = quant.quantize_rows(w)
+            want = x.float() @ quant.dequantize(w8, scale).T
             exact = x.float() @ w.float().T
             if bias is not None:
                 want, exact = want + bias.float(), exact + bias.float()
@@ -109,7 +110,7 @@ def test_gpu_fp8_copy_is_made_again_after_its_weight_is_written(gpu, one_row):
     on the parameter): seen after ``release`` (sleep level 2), which drops every copy."""
     lm = _build_lm(gpu.tok)
     module = lm.model.layers[0].mlp.down_proj
-    linears = fp8.Fp8Linears(MODEL, one_row=one_row)
+    linears = fp8_linears.Fp8Linears(MODEL, one_row=one_row)
     assert linears.gemv == (one_row and fp8_gemv.available("cuda") is None)
     assert linears.quantize({"down": module}) == []
     x = torch.randn(1, 1, module.weight.shape[1], device="cuda", dtype=torch.bfloat16)
@@ -179,7 +180,7 @@ def test_gpu_fp8_step_equals_the_bf16_step_on_the_dequantised_weights_within_its
                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     with torch.no_grad():
         for m in modules:
-            m.weight.copy_(fp8.dequantize(*fp8.quantize_rows(m.weight)).to(m.weight.dtype))
+            m.weight.copy_(quant.dequantize(*quant.quantize_rows(m.weight)).to(m.weight.dtype))
     want, _ = decode(bf16, fed, prefilled)
     kernel = max(_relative(a, b) for a, b in zip(got, want))
     rounding = max(_relative(a, b) for a, b in zip(got, original))
@@ -222,7 +223,7 @@ def test_gpu_fp8_graph_replay_equals_the_fp8_eager_step_token_for_token(gpu):
     steps = 340
     pipe = _pipe(gpu, cfg=_cfg(**FP8))
     linears = _state(pipe).fusion.gemv
-    assert isinstance(linears, fp8.Fp8Linears)
+    assert isinstance(linears, fp8_linears.Fp8Linears)
     assert linears.gemv == (fp8_gemv.available("cuda") is None)
     graphed = _think(pipe, gpu.ids, steps)
     assert stats.get(MODEL, "replay") >= 300
@@ -249,7 +250,7 @@ def test_gpu_fp8_lm_head_gives_the_step_its_logits_and_replay_equals_the_eager_s
     steps = 200
     pipe = _pipe(gpu, cfg=_cfg(**FP8_HEAD))
     linears = _state(pipe).fusion.gemv
-    assert isinstance(linears, fp8.Fp8Linears) and linears.gemv and linears.has_head
+    assert isinstance(linears, fp8_linears.Fp8Linears) and linears.gemv and linears.has_head
     assert any("and lm_head" in p for p in _state(pipe).fusion.describe())
     lm = gpu.lm
     hidden = torch.randn(1, 1, lm.config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -299,11 +300,11 @@ def test_gpu_fp8_lora_layers_run_bf16_counted_and_base_answers_return(checkpoint
                 _request(1, "two cats and a dog", text=80)]
     base = [_answer(o) for o in pipe.forward(_batch(requests))]
     wrappers = st.add_lora_wrappers(pipe.language_model)
-    st.bind_adapter(wrappers)
+    common.bind_adapter(wrappers)
     adapted = [_answer(o) for o in pipe.forward(_batch(requests))]
     kept = sum(n for key, n in stats.degraded_paths(MODEL).items()
-               if fp8.LAYER_KEPT.key in key)
-    st.unbind_adapter(wrappers)
+               if fp8_linears.LAYER_KEPT.key in key)
+    common.unbind_adapter(wrappers)
     again = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert adapted != base, "the adapter changed nothing: the test would prove nothing"
     assert kept > 0, stats.degraded_paths(MODEL)

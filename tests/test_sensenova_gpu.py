@@ -2,7 +2,8 @@
 
 A real ``SenseNovaU1ForCausalLM`` at small GPU sizes (4 layers, hidden 256, 4 q heads /
 2 KV heads, head_dim 128, bf16, random weights) inside vllm-omni's own pipeline loops
-(``vllm_omni_graphdecode/testing/random_models.py``). The kernel is whatever ``kernels.select_kernel`` finds (FA3 there).
+(``vllm_omni_graphdecode/testing/sensenova.py``). The kernel is whatever ``kernels.select_kernel``
+finds (FA3 there).
 
 Three decode paths are compared: graphs (the production path), the same paged step run eagerly
 (same kernel, no graph: what verify mode compares against), and the pipeline's own
@@ -19,10 +20,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode.testing import random_models as st
-from vllm_omni_graphdecode import config, cuda_graphs, kernels, layer_ops, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.graphs import capture as cuda_graphs
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, step as step_mod
+from vllm_omni_graphdecode.ops import attention as kernels, layer_ops
+from vllm_omni_graphdecode.testing import sensenova as st, common
 
 pytestmark = pytest.mark.gpu
 
@@ -322,7 +326,7 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
 def test_gpu_inductor_gemv_agrees_with_the_module_and_leaves_lora_wrappers_alone(gpu):
     """The compiled GEMV against each linear layer's own forward (cuBLAS) at the model's shapes,
     and at the real ones on loose weights; a LoRA-wrapped layer is called as itself."""
-    from vllm_omni_graphdecode import gemv
+    from vllm_omni_graphdecode.ops import gemv
 
     found = gemv.select_gemv("cuda")
     assert isinstance(found, gemv.Gemv), found
@@ -399,9 +403,9 @@ def test_gpu_base_lora_base_each_match_eager(gpu, k):
     runs = []
     for bound in (True, False):
         if bound:
-            st.bind_adapter(wrappers)
+            common.bind_adapter(wrappers)
         else:
-            st.unbind_adapter(wrappers)
+            common.unbind_adapter(wrappers)
         got = _think(graphed, gpu.ids, steps)
         want = _think(reference, gpu.ids, steps)
         _same_tokens_up_to_a_tie(got, want, tie=0.02, logit_tol=2e-2)
@@ -457,7 +461,7 @@ def test_gpu_sleep_release_then_new_request_recaptures_and_matches(gpu, k):
 def test_gpu_device_memory_after_requests_5_to_20_does_not_grow(gpu, lora, k):
     lm = _build_lm(gpu.tok) if lora else gpu.lm
     if lora:
-        st.bind_adapter(st.add_lora_wrappers(lm))
+        common.bind_adapter(st.add_lora_wrappers(lm))
     pipe = _pipe(gpu, lm=lm, cfg=_cfg(k=k))
     allocated, reserved = [], []
     for i in range(20):
@@ -620,7 +624,7 @@ def test_gpu_a_request_from_another_thread_during_a_capture_breaks_nothing(gpu, 
 
     capturing = threading.Event()
     real_forward = step_mod.Step.forward
-    lock = st.ObservedLock()
+    lock = common.ObservedLock()
 
     def forward(self, cache):
         out = real_forward(self, cache)
@@ -766,7 +770,7 @@ def test_gpu_sampling_program_draws_from_the_loops_distribution(gpu):
     step's logits, in the logits' dtype as the loop computes it), Pearson's chi-square at
     p = 1e-6. The same counts against the distribution at twice the temperature must be
     rejected, so the test can tell temperatures apart."""
-    from vllm_omni_graphdecode.token_loop import Sampling
+    from vllm_omni_graphdecode.decode.token_loop import Sampling
 
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache, t_idx = st.prefill(pipe, gpu.ids)

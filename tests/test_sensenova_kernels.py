@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from vllm_omni_graphdecode import kernels
+from vllm_omni_graphdecode.ops import attention as kernels
 
 
 def _paged(k_dense, block_size=16, extra_blocks=2):
@@ -92,5 +92,5 @@ def test_select_kernel_requested_fa_version_unsupported(monkeypatch):
 def test_describe_names_the_reason_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; describe() names a kernel there")
-    line = kernels.describe("auto")
+    line = kernels.describe("auto", head_dim=128)
     assert line.startswith("paged decode kernel: none: not CUDA")

@@ -170,10 +170,12 @@ def _child(omni_path: str) -> dict:
     sys.path[:0] = [omni_path, str(REPO), str(HERE)]
     import torch
 
-    from vllm_omni_graphdecode.testing import random_models as st
-    from vllm_omni_graphdecode import config, kernels, stats
-    from vllm_omni_graphdecode.patching import HookRefused
+    from vllm_omni_graphdecode import config
+    from vllm_omni_graphdecode.core import stats
+    from vllm_omni_graphdecode.core.patching import HookRefused
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
+    from vllm_omni_graphdecode.ops import attention as kernels
+    from vllm_omni_graphdecode.testing import sensenova as st, common
 
     settings = {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                 "VLLM_OMNI_GRAPHDECODE_BUCKETS": "32,64",
@@ -184,7 +186,7 @@ def _child(omni_path: str) -> dict:
     tok = st.build_tokenizer()
     lm = st.build_lm(banned_ids=st.stop_ids(tok))
     ids = st.prompt_ids(tok, 20)
-    out = {"omni_version": st.omni_version(), "pipeline_file": st.pipeline_module().__file__}
+    out = {"omni_version": common.omni_version(), "pipeline_file": st.pipeline_module().__file__}
 
     def paged(runner=None):
         pipe = st.build_pipeline(lm, tok)

@@ -10,8 +10,11 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from vllm_omni_graphdecode import cuda_graphs, kernels, paged_decode, stats
-from vllm_omni_graphdecode.paged_decode import BLOCK_SIZE, PagedKVCache, bucket_for, tail_step
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.decode import paged as paged_decode
+from vllm_omni_graphdecode.decode.paged import BLOCK_SIZE, PagedKVCache, bucket_for, tail_step
+from vllm_omni_graphdecode.graphs import capture as cuda_graphs
+from vllm_omni_graphdecode.ops import attention as kernels
 
 LAYERS, KV_HEADS, DIM = 3, 2, 16
 

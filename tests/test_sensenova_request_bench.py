@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import sensenova_request as sr  # noqa: E402
 
-from vllm_omni_graphdecode.reasons import NOT_CUDA  # noqa: E402
+from vllm_omni_graphdecode.core.reasons import NOT_CUDA  # noqa: E402
 
 SIZE, STEPS, THINK_TOKENS = 64, 2, 8
 # Rounding of each part to 4 decimals: the parts' sum may exceed the total by that much.
@@ -198,7 +198,7 @@ def test_step_floor_is_the_branches_flops_over_the_measured_matmul_rate(result):
 def test_real_shape_on_meta_has_the_released_models_parameter_counts(tmp_path):
     """17.55 B parameters in all, 9.37 B in the understanding pathway (FACTS 6): the guessed
     vision and flow-matching sizes must land the total there."""
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     rm.setup_runtime("cpu")
     ckpt = sr.write_real_checkpoint(str(tmp_path / "real"), sr.PROMPT)

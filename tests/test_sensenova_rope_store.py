@@ -130,10 +130,10 @@ def test_rope_store_refuses_tables_that_do_not_match_the_rows():
 
 STEP_INTERPRETED = r"""
 import torch
-from vllm_omni_graphdecode import kernels
+from vllm_omni_graphdecode.ops import attention as kernels
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import rope_store
-from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.testing import sensenova as st
 from vllm_omni_graphdecode.testing.fused_reference import reference_fusion
 
 tok = st.build_tokenizer()

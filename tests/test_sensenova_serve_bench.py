@@ -81,7 +81,7 @@ def test_sharded_checkpoint_loads_through_vllm_omni_and_never_picks_an_end_token
     """vLLM-Omni's loader reads the shards through their index: every parameter as from the
     single file, but the end tokens' ``lm_head`` rows, which are zero (logit 0 whatever the
     hidden state)."""
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     single, sharded, _ = checkpoints
     a = rm.load_sensenova_pipeline(single)

@@ -8,10 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import batch_kv, config, eligibility, kernels, patching, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import eligibility, patching, stats
+from vllm_omni_graphdecode.decode.batch import kv as batch_kv
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import layouts
-from vllm_omni_graphdecode.testing import random_models as st
+from vllm_omni_graphdecode.ops import attention as kernels
+from vllm_omni_graphdecode.testing import sensenova as st
 
 from test_sensenova_cpu import tiny  # noqa: F401 - the tiny model fixture
 

@@ -8,8 +8,9 @@ import subprocess
 import sys
 import time
 
-from vllm_omni_graphdecode import cli, config, stats
-from vllm_omni_graphdecode.reasons import Reason
+from vllm_omni_graphdecode import cli, config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.core.reasons import Reason
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,7 +180,7 @@ def test_counts_after_the_final_write_are_written_at_once(monkeypatch, tmp_path)
 
 def test_final_counts_are_written_at_process_exit(tmp_path):
     template = str(tmp_path / "stats-{pid}.json")
-    code = ("from vllm_omni_graphdecode import stats\n"
+    code = ("from vllm_omni_graphdecode.core import stats\n"
             "for _ in range(500): stats.count('qwen_image_21', 'replay')\n"
             "import os; print(os.getpid())\n")
     env = dict(os.environ, VLLM_OMNI_GRAPHDECODE_STATS_FILE=template,

@@ -27,11 +27,14 @@ import pytest
 import torch
 
 from qwen_tiny import at_step, cached_call, cached_reference, extract, request, tiny_transformer
-from vllm_omni_graphdecode import batch_kv, config, eligibility, kernels, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import eligibility, reasons, stats
+from vllm_omni_graphdecode.decode.batch import kv as batch_kv
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.ops import attention as kernels
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 

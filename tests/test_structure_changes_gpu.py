@@ -22,11 +22,13 @@ import torch
 
 from qwen_tiny import GPU_CONFIG, at_step, cached_call, cached_reference, extract, request
 from qwen_tiny import tiny_transformer
-from vllm_omni_graphdecode import config, fp8, reasons, stats
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import reasons, stats
 from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise
-from vllm_omni_graphdecode.testing import random_models as rm
+from vllm_omni_graphdecode.ops.fp8 import marlin
+from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 from test_sensenova_gpu import _cfg as _decode_cfg
@@ -149,7 +151,7 @@ def test_gpu_decode_a_to_round_trip_between_requests_recaptures_and_decodes_bit_
     is quantised again in place from its moved bf16 weight (same values, the same copy)."""
     env = {}
     if weights == "fp8":
-        why = fp8.available("cuda")
+        why = marlin.available("cuda")
         if why is not None:
             pytest.skip(why.describe())
         env = {"VLLM_OMNI_GRAPHDECODE_FP8": "sensenova_decode"}

@@ -4,7 +4,7 @@ SenseNova-U1: vllm-omni's ``SenseNovaU1Pipeline`` is constructed from the direct
 ``__init__``: config, tokenizer, model graph), the weights go through vllm-omni's diffusers loader
 (file discovery, safetensors iterator) into the pipeline's ``load_weights`` (q/k/v and gate/up
 fusion), and every parameter must be loaded with the file's value. The CPU adjustments are
-``testing.random_models.setup_runtime("cpu")``'s (gloo process group, SDPA attention, PyTorch rope).
+``testing.sensenova.setup_runtime("cpu")``'s (gloo process group, SDPA attention, PyTorch rope).
 
 Qwen-Image-2.1: diffusers' ``QwenImage21Pipeline.from_pretrained`` loads every component, and one
 tiny text-to-image and one image-conditioned call run through them.
@@ -56,7 +56,7 @@ SENSENOVA_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>", "<|im_start|>", "<|im_en
 
 @pytest.fixture(scope="module")
 def sensenova(ckpt):
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     rm.setup_runtime("cpu")
     from vllm.config import LoadConfig
@@ -130,7 +130,7 @@ def test_sensenova_pipeline_loads_every_parameter(ckpt, sensenova):
 
 def test_sensenova_loaded_model_decodes(sensenova):
     """The loaded weights drive the pipeline's own text loop (prefill + ``_generate_text``)."""
-    from vllm_omni_graphdecode.testing import random_models as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm
 
     pipe, _ = sensenova
     ids = pipe.tokenizer("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",

@@ -15,10 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_omni_graphdecode import config, kernels, paged_decode, paged_tiers, stats, token_loop
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.decode import paged as paged_decode, tiers as paged_tiers, token_loop
+from vllm_omni_graphdecode.decode.token_loop import Sampling, pick
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
-from vllm_omni_graphdecode.testing import random_models as st
-from vllm_omni_graphdecode.token_loop import Sampling, pick
+from vllm_omni_graphdecode.ops import attention as kernels
+from vllm_omni_graphdecode.testing import sensenova as st
 
 MODEL = hook.MODEL
 PROMPT = 20
@@ -300,7 +303,7 @@ def test_served_logits_answer_every_argmax_as_the_plain_tensor_does():
     """The loops' argmax is answered from the token; every other way of reading the logits sees
     the same values as a plain one-hot tensor, and a view that moves the token falls back to a
     real scan."""
-    from vllm_omni_graphdecode.token_loop import ServedLogits
+    from vllm_omni_graphdecode.decode.token_loop import ServedLogits
 
     plain = torch.full((1, 1, 96), float("-inf"))
     plain[0, 0, 37] = 0.0
@@ -330,7 +333,7 @@ def test_served_logits_answer_the_loops_draw_without_drawing():
     """The sampling loop's ``multinomial(softmax(logits / t), 1)`` of the served row is the token
     and takes no number from the generator; a row whose mass is not all at the token, or more
     than one sample, is drawn for real."""
-    from vllm_omni_graphdecode.token_loop import ServedLogits
+    from vllm_omni_graphdecode.decode.token_loop import ServedLogits
 
     served = torch.full((1, 1, 96), float("-inf")).as_subclass(ServedLogits)
     served[0, 0, 11] = 0.0

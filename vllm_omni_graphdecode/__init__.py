@@ -24,6 +24,6 @@ def register() -> None:
     _registered = True
     if not cfg.enabled:
         return
-    from . import loading
+    from .core import loading
 
     loading.install()

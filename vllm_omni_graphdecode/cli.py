@@ -19,6 +19,10 @@ import sys
 from . import config
 
 PACKAGES = ("vllm", "vllm-omni", "torch", "diffusers", "transformers", "vllm-omni-graphdecode")
+# The head sizes doctor asks the attention kernels about: SenseNova-U1's paged decode and
+# Qwen-Image-2.1's fast step both attend at head_dim 128.
+DECODE_HEAD_DIM = 128
+DENSE_HEAD_DIM = 128
 
 
 def _version(dist: str) -> str:
@@ -51,18 +55,18 @@ def doctor_report() -> dict:
         cfg = None
         report["config_error"] = str(exc)
     try:
-        from . import kernels
+        from .ops import attention
 
-        report["paged_attention_kernel"] = kernels.describe(
-            cfg.fa_version if cfg is not None else "auto")
+        report["paged_attention_kernel"] = attention.describe(
+            cfg.fa_version if cfg is not None else "auto", head_dim=DECODE_HEAD_DIM)
     except Exception as exc:  # doctor must print what it can
         report["paged_attention_kernel"] = f"unknown: {exc!r}"
     try:
-        report["dense_attention"] = kernels.describe_dense()
+        report["dense_attention"] = attention.describe_dense(head_dim=DENSE_HEAD_DIM)
     except Exception as exc:
         report["dense_attention"] = f"unknown: {exc!r}"
     try:
-        from . import layer_ops
+        from .ops import layer_ops
 
         report["decode_step_ops"] = layer_ops.describe_step_ops()
     except Exception as exc:
@@ -71,7 +75,7 @@ def doctor_report() -> dict:
         report["fp8_weights"] = fp8_report("cuda:0" if report.get("gpu") else "cpu")
     except Exception as exc:
         report["fp8_weights"] = f"unknown: {exc!r}"
-    from . import loading
+    from .core import loading
     from .hooks import MODEL_KEYS, load
 
     omni = loading.omni_version()
@@ -91,21 +95,21 @@ def doctor_report() -> dict:
 
 def fp8_report(device: str) -> str:
     """doctor's FP8 line: which kernels read the e4m3 copies on ``device``, or why none can."""
-    from . import fp8, fp8_gemv
+    from .ops.fp8 import gemv, marlin, quant, w8a8
 
-    why = fp8.available(device)
+    why = marlin.available(device)
     if why is not None:
         decode = f"unavailable: {why.describe()}"
     else:
-        one_row = fp8_gemv.available(device)
+        one_row = gemv.available(device)
         decode = ("e4m3 weights, bf16 activations: one request through the plugin's one-row "
                   "FP8 GEMV (its lm_head too where named: sensenova_lm_head), batched steps "
                   "through vLLM Marlin W8A16" if one_row is None else
                   "e4m3 weights, bf16 activations through vLLM Marlin W8A16 (one request "
                   f"too: {one_row.describe()})")
     # torch's CPU kernel runs W8A8 for the tests; the paths themselves run on CUDA only.
-    why = (fp8.w8a8_available(device) if device != "cpu"
-           else fp8.NO_FP8.because("device is cpu"))
+    why = (w8a8.w8a8_available(device) if device != "cpu"
+           else quant.NO_FP8.because("device is cpu"))
     steps = ("W8A8 (torch._scaled_mm, e4m3 weights and per-row activation scales)"
              if why is None else f"unavailable: {why.describe()}")
     return f"decode steps: {decode}; denoising steps: {steps}"

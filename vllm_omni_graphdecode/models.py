@@ -1,14 +1,17 @@
 """The one list of models this plugin wires: each one's key, title and hook module.
 
-Below ``config`` and ``hooks``: config takes the accepted values of ``VLLM_OMNI_GRAPHDECODE``
-from here, ``hooks`` imports a row's module on first use, ``doctor`` and the loader read the
-same rows. Adding a model is a hook package under ``hooks/`` plus one row below. The module
-is named as a string, so reading the list imports no model code.
+Below ``config``, ``core`` and ``hooks``: config takes the accepted values of
+``VLLM_OMNI_GRAPHDECODE`` from here, ``load`` imports a row's hook module on first use (the
+loader in ``core/loading.py`` calls it, so nothing in ``core`` imports ``hooks``), ``doctor`` and
+the loader read the same rows. Adding a model is a hook package under ``hooks/`` plus one row
+below. The module is named as a string, so reading the list imports no model code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from types import ModuleType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,3 +33,11 @@ MODELS: tuple[Model, ...] = (
 )
 
 MODEL_KEYS: tuple[str, ...] = tuple(m.key for m in MODELS)
+
+
+def load(key: str) -> ModuleType:
+    """The hook module of ``key`` (one of ``MODEL_KEYS``)."""
+    for model in MODELS:
+        if model.key == key:
+            return importlib.import_module(model.module)
+    raise KeyError(f"no hook for {key!r}; known: {', '.join(MODEL_KEYS)}")

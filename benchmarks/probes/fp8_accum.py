@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import capture_graph, environment, time_ms  # noqa: E402
 
-from vllm_omni_graphdecode import fp8  # noqa: E402
+from vllm_omni_graphdecode.ops.fp8 import quant, w8a8  # noqa: E402
 
 HIDDEN, MLP = 4096, 12288
 # model -> (rows, blocks, (name, N, K) per linear layer of a block)
@@ -54,8 +54,8 @@ MODELS = {
 
 def _quantize_rows(x):
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    sx = torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
-    return (x.float() / sx).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE), sx
+    sx = torch.where(amax > 0, amax / quant.FP8_MAX, torch.ones_like(amax))
+    return (x.float() / sx).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(quant.FP8_DTYPE), sx
 
 
 def _variants():
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device", "command": " ".join(sys.argv)}))
         return 0
-    why = fp8.w8a8_available("cuda")
+    why = w8a8.w8a8_available("cuda")
     if why is not None:
         print(json.dumps({"skipped": why.describe(), "command": " ".join(sys.argv)}))
         return 0
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     for _ in range(args.distinct):
         for name, n, k in shapes:
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-            w8, sw = fp8.w8a8_weight(w)
+            w8, sw = w8a8.w8a8_weight(w)
             layers.append((name, w, w8, sw))
     inputs = {}
     for k in sorted({k for _, _, k in shapes}):

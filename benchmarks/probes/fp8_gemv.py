@@ -12,8 +12,8 @@ per candidate and row count, each layer its own weight (so L2 never serves one):
                   registers, one tensor-core tile of 16 rows; fixed block sizes (``config_for``,
                   or --sweep's best)
   marlin_w8a16    vLLM's Marlin FP8 weight-only GEMM (``apply_fp8_marlin_linear``) through the
-                  plugin's ``fp8.Fp8Weight``: what the plugin's batched step runs
-  plugin_gemv     the plugin's one-row GEMV (``vllm_omni_graphdecode.fp8_gemv``, hand-written,
+                  plugin's ``marlin.Fp8Weight``: what the plugin's batched step runs
+  plugin_gemv     the plugin's one-row GEMV (``vllm_omni_graphdecode.ops.fp8.gemv``, hand-written,
                   block sizes from the shape alone): what its one-request step runs; at 8 and
                   16 rows it reads the weights once per row (shown, not used there)
   cutlass_w8a8    vLLM's ``scaled_fp8_quant`` (dynamic per-token activation scale) +
@@ -29,7 +29,7 @@ before the chain and uses the best (lowest sum of the two). --gemv-sweep times t
 block sizes per shape at one row, lm_head's too (``gemv_sweep``; the chain keeps
 ``config_for``'s), then the step's GEMVs as one chain with today's configs against the sweep's
 picks (``gemv_chain``; ``--gemv-only`` stops there; ``scripts/gpu/gemv_table.py`` writes the picks
-into ``fp8_gemv.MEASURED``). Prints the JSON document and writes it to DIR/fp8-gemv.json.
+into ``gemv_table.MEASURED``). Prints the JSON document and writes it to DIR/fp8-gemv.json.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import capture_graph, environment, time_ms  # noqa: E402
 
-from vllm_omni_graphdecode import fp8, fp8_gemv  # noqa: E402
-from vllm_omni_graphdecode.compiling import triton_kernel  # noqa: E402
+from vllm_omni_graphdecode.graphs.compiling import triton_kernel  # noqa: E402
+from vllm_omni_graphdecode.hooks.sensenova_u1.gemv_table import MEASURED  # noqa: E402
+from vllm_omni_graphdecode.ops.fp8 import gemv, marlin as fp8_marlin, quant  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936
 SHAPES = {
@@ -107,7 +108,7 @@ class TritonWeight:
         config = config_for(n, k)
         if config is None:
             raise ValueError(f"no FP8 GEMV block size divides a [{n}, {k}] weight")
-        w8, scale = fp8.quantize_rows(weight.detach())
+        w8, scale = quant.quantize_rows(weight.detach())
         return cls(w8, scale, bias, config, weight.data_ptr(), weight._version)
 
     def stale(self, weight: torch.Tensor) -> bool:
@@ -196,7 +197,7 @@ def graph_ms(fn, replays: int = 10, trials: int = 7) -> float:
 
 def triton_reference(x, weight):
     """What ``triton_linear`` computes, in fp32 (the sum order differs)."""
-    out = x.float() @ fp8.dequantize(weight.w8, weight.scale).T
+    out = x.float() @ quant.dequantize(weight.w8, weight.scale).T
     return (out if weight.bias is None else out + weight.bias.float()).to(x.dtype)
 
 
@@ -252,7 +253,7 @@ def sweep(layers: int, rows_list) -> dict:
     return best, table
 
 
-GEMV_SWEEP = [fp8_gemv.KernelConfig(bn, bk, w, st)
+GEMV_SWEEP = [gemv.KernelConfig(bn, bk, w, st)
               for bn in (4, 8, 16, 32) for bk in (256, 512, 1024, 2048)
               for (w, st) in ((4, 1), (8, 1))]
 # A config whose block sizes differ from today's rounds differently: it replaces today's only
@@ -265,15 +266,15 @@ def gemv_sweep(layers: int) -> dict:
     """The plugin GEMV's configs at one row, per shape (the four decoder-layer shapes and
     lm_head): us per layer (a chain of ``layers`` copies of the shape as one graph, ``HEAD_COPIES``
     for lm_head) against ``config_for``'s pick (today's) and the byte floor. ``pick``: the config
-    ``scripts/gpu/gemv_table.py`` writes into ``fp8_gemv.MEASURED`` (today's, unless other
+    ``scripts/gpu/gemv_table.py`` writes into ``gemv_table.MEASURED`` (today's, unless other
     block sizes beat it by ``NEW_BLOCKS_MARGIN``: they round differently)."""
     table = {}
     for name, (n, k) in {**SHAPES, "lm_head": (VOCAB, HIDDEN)}.items():
         copies = HEAD_COPIES if name == "lm_head" else layers
-        ws = [fp8.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        ws = [quant.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
               for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        today = fp8_gemv.config_for(n, k)
+        today = gemv.config_for(n, k, MEASURED)
         rows = []
         for cfg in GEMV_SWEEP + [today]:
             if n % cfg.block_n or k % cfg.block_k or any(r["config"] == dataclasses.asdict(cfg)
@@ -282,7 +283,7 @@ def gemv_sweep(layers: int) -> dict:
             entry = {"config": dataclasses.asdict(cfg)}
             try:
                 entry["us"] = round(graph_ms(
-                    lambda: [fp8_gemv.gemv(x, w8, s, None, cfg) for w8, s in ws]) * 1000 / copies, 2)
+                    lambda: [gemv.gemv(x, w8, s, None, cfg) for w8, s in ws]) * 1000 / copies, 2)
             except Exception as exc:  # noqa: BLE001 - reported
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(entry)
@@ -305,21 +306,21 @@ def gemv_chain(layers: int, picks: dict) -> dict:
     alternated three times; ms per chain (median of each side's three) and whether the picks'
     output has today's bits (``same_bits``: wherever a pick kept today's config)."""
     shapes = {**SHAPES, "lm_head": (VOCAB, HIDDEN)}
-    ws = {name: [fp8.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    ws = {name: [quant.quantize_rows(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
                  for _ in range(1 if name == "lm_head" else layers)]
           for name, (n, k) in shapes.items()}
     xs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
           for name, (n, k) in shapes.items()}
-    sides = {"today": {name: fp8_gemv.config_for(*shape) for name, shape in shapes.items()},
-             "picked": {name: picks.get(name) or fp8_gemv.config_for(*shape)
+    sides = {"today": {name: gemv.config_for(*shape, MEASURED) for name, shape in shapes.items()},
+             "picked": {name: picks.get(name) or gemv.config_for(*shape, MEASURED)
                         for name, shape in shapes.items()}}
 
     def chain(cfgs):
         def run():
             for i in range(layers):
                 for name in SHAPES:
-                    fp8_gemv.gemv(xs[name], *ws[name][i], None, cfgs[name])
-            fp8_gemv.gemv(xs["lm_head"], *ws["lm_head"][0], None, cfgs["lm_head"])
+                    gemv.gemv(xs[name], *ws[name][i], None, cfgs[name])
+            gemv.gemv(xs["lm_head"], *ws["lm_head"][0], None, cfgs["lm_head"])
         return run
 
     times = {side: [] for side in sides}
@@ -331,8 +332,8 @@ def gemv_chain(layers: int, picks: dict) -> dict:
     out["floor_ms"] = round((layers * sum(n * k for n, k in SHAPES.values()) + VOCAB * HIDDEN)
                             / 4.28e12 * 1e3, 4)
     out["same_bits"] = {
-        name: bool(torch.equal(fp8_gemv.gemv(xs[name], *ws[name][0], None, sides["today"][name]),
-                               fp8_gemv.gemv(xs[name], *ws[name][0], None, sides["picked"][name])))
+        name: bool(torch.equal(gemv.gemv(xs[name], *ws[name][0], None, sides["today"][name]),
+                               gemv.gemv(xs[name], *ws[name][0], None, sides["picked"][name])))
         for name in shapes}
     log("chain", out)
     return out
@@ -372,7 +373,7 @@ def main(argv=None) -> int:
         t1 = time.monotonic()
         doc["gemv_sweep"] = gemv_sweep(args.layers)
         doc["gemv_sweep_s"] = round(time.monotonic() - t1, 1)
-        picks = {name: fp8_gemv.KernelConfig(**row["pick"]["config"])
+        picks = {name: gemv.KernelConfig(**row["pick"]["config"])
                  for name, row in doc["gemv_sweep"].items()}
         doc["gemv_chain"] = gemv_chain(args.layers, picks)
         if args.gemv_only:
@@ -384,11 +385,11 @@ def main(argv=None) -> int:
     bf16 = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                    for _ in range(args.layers)] for name, (n, k) in SHAPES.items()}
     q = {name: [TritonWeight.from_weight(w) for w in ws] for name, ws in bf16.items()}
-    gv = {name: [fp8_gemv.Fp8GemvWeight(w) for w in ws] for name, ws in bf16.items()}
-    marlin, mar = fp8.available("cuda"), None
+    gv = {name: [gemv.Fp8GemvWeight(w, table=MEASURED) for w in ws] for name, ws in bf16.items()}
+    marlin, mar = fp8_marlin.available("cuda"), None
     if marlin is None:
         try:  # the plugin's own copies (fp8.Fp8Weight), from the same bf16 weights
-            mar = {name: [fp8.Fp8Weight(w) for w in ws] for name, ws in bf16.items()}
+            mar = {name: [fp8_marlin.Fp8Weight(w) for w in ws] for name, ws in bf16.items()}
         except Exception as exc:  # noqa: BLE001 - reported
             marlin = f"{type(exc).__name__}: {str(exc)[:300]}"
     else:
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
                 accuracy.setdefault("row_invariant", {})[name] = bool(torch.equal(one[0], many[0]))
                 g = gv[name][0]
                 y = g(xs[name]).float()
-                r = fp8_gemv.reference(xs[name], g.w8, g.scale, g.bias).float()
+                r = gemv.reference(xs[name], g.w8, g.scale, g.bias).float()
                 accuracy.setdefault("plugin_gemv_vs_reference", {})[name] = round(
                     float((y - r).norm() / r.norm()), 6)
                 accuracy.setdefault("plugin_gemv_row_invariant", {})[name] = bool(
@@ -464,8 +465,8 @@ def lm_head(rows_list) -> dict:
     heads = [torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
              for _ in range(3)]
     qh = [TritonWeight.from_weight(w) for w in heads]
-    mh = [fp8.Fp8Weight(w) for w in heads] if fp8.available("cuda") is None else None
-    gh = [fp8_gemv.Fp8GemvWeight(w) for w in heads]
+    mh = [fp8_marlin.Fp8Weight(w) for w in heads] if fp8_marlin.available("cuda") is None else None
+    gh = [gemv.Fp8GemvWeight(w, table=MEASURED) for w in heads]
     lm = {}
     for m in rows_list:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)

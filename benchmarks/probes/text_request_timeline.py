@@ -40,10 +40,11 @@ sys.path.insert(0, _BENCHMARKS)
 
 import profile_step  # noqa: E402
 from bench import sensenova_model  # noqa: E402
-from vllm_omni_graphdecode import (  # noqa: E402
-    ar_session, config, eligibility, paged_tiers, token_loop)
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.core import eligibility
+from vllm_omni_graphdecode.decode import session, tiers, token_loop
 from vllm_omni_graphdecode.hooks import sensenova_u1  # noqa: E402
-from vllm_omni_graphdecode.testing import random_models as rm  # noqa: E402
+from vllm_omni_graphdecode.testing import sensenova as rm  # noqa: E402
 
 PHASES = ("gate", "open", "begin", "launch", "serve", "ar_step", "close", "detokenize")
 
@@ -70,11 +71,11 @@ def instrument(pipe, wiring):
         undo.append((owner, attr, own))
 
     swap(wiring.sessions, "gate", "gate")
-    swap(ar_session.ARSessions, "open", "open")
-    swap(paged_tiers.PagedDecoder, "begin", "begin")
+    swap(session.ARSessions, "open", "open")
+    swap(tiers.PagedDecoder, "begin", "begin")
     swap(token_loop.Lookahead, "_launch", "launch")
     swap(token_loop.Lookahead, "_serve", "serve")
-    swap(ar_session.Session, "close", "close")
+    swap(session.Session, "close", "close")
     swap(pipe, "_ar_step", "ar_step")
     swap(pipe.tokenizer, "decode", "detokenize")
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Write a GEMV sweep's picks into ``fp8_gemv.MEASURED`` (the one-row FP8 GEMV's fixed configs).
+"""Write a GEMV sweep's picks into ``gemv_table.MEASURED`` (the one-row FP8 GEMV's fixed configs).
 
-    python3 scripts/gpu/gemv_table.py RESULTS/fp8-gemv.json [vllm_omni_graphdecode/fp8_gemv.py]
+    python3 scripts/gpu/gemv_table.py RESULTS/fp8-gemv.json \
+        [vllm_omni_graphdecode/hooks/sensenova_u1/gemv_table.py]
 
 The sweep (``benchmarks/probes/fp8_gemv.py --gemv-sweep``) names a ``pick`` per shape; this
 rewrites the entries between ``MEASURED = {`` and its closing ``}``, one line per shape with the
 pick's time, today's and the byte floor (us per layer, at one row), and prints the new table. The
-configs stay fixed in the source: nothing is timed at load (``fp8_gemv.config_for``).
+configs stay fixed in the source: nothing is timed at load (``ops/fp8/gemv.py``'s ``config_for``).
 """
 
 import json
@@ -27,7 +28,7 @@ def entry(name: str, row: dict) -> str:
 
 def main(argv) -> int:
     doc = json.load(open(argv[1]))
-    path = argv[2] if len(argv) > 2 else "vllm_omni_graphdecode/fp8_gemv.py"
+    path = argv[2] if len(argv) > 2 else "vllm_omni_graphdecode/hooks/sensenova_u1/gemv_table.py"
     source = open(path).read()
     sweep = doc["gemv_sweep"]
     body = "\n".join(entry(name, row) for name, row in sweep.items())

@@ -1,6 +1,6 @@
-"""The hooks, one package per model, and ``load``: the hook module of a model key. The list of
-models is ``vllm_omni_graphdecode.models`` (below config and this package, which both read it);
-adding a model is a hook package here plus one row there.
+"""The hooks, one package per model. The list of models, and ``load`` (the hook module of a model
+key), is ``vllm_omni_graphdecode.models`` (below config, the loader and this package, which all
+read it); adding a model is a hook package here plus one row there.
 
 A hook module exposes:
 
@@ -16,17 +16,6 @@ pipeline is offered to it.
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-from ..models import MODEL_KEYS, MODELS, Model
+from ..models import MODEL_KEYS, MODELS, Model, load
 
 __all__ = ["MODELS", "MODEL_KEYS", "Model", "load"]
-
-
-def load(key: str) -> ModuleType:
-    """The hook module of ``key`` (one of ``MODEL_KEYS``)."""
-    for model in MODELS:
-        if model.key == key:
-            return importlib.import_module(model.module)
-    raise KeyError(f"no hook for {key!r}; known: {', '.join(MODEL_KEYS)}")

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from .. import config, loading, stats
+from .. import config
+from ..core import loading, stats
 
 # head_dim 128 and 4:1 grouped-query attention, as in the released model.
 SENSENOVA_GPU = dict(num_layers=4, hidden=512, heads=8, kv_heads=2, head_dim=128, vocab=96,
@@ -60,7 +61,7 @@ def _path(model: str) -> str:
 
 
 def sensenova(device: str) -> bool:
-    from . import random_models as rm
+    from . import sensenova as rm
 
     print("\n== SenseNova-U1 (vllm-omni SenseNovaU1ForCausalLM, random weights) ==")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -98,7 +99,7 @@ def sensenova(device: str) -> bool:
     # same but the kernel is not: FA3 and SDPA round bf16 differently, and with random weights a
     # greedy decode drifts apart after a few dozen tokens. The math itself is checked on CPU in
     # fp32 (tests/test_sensenova_cpu.py: logits within 1e-4, identical tokens).
-    from .hooks import sensenova_u1
+    from ..hooks import sensenova_u1
 
     paged = rm.build_pipeline(lm, tok, device=device)
     sensenova_u1.install(paged, cfg_no_precapture(), graphs=False)
@@ -123,7 +124,7 @@ def sensenova_image(device: str) -> bool:
 
     import numpy as np
 
-    from . import random_models as rm
+    from . import sensenova as rm
 
     print("\n== SenseNova-U1 image (vllm-omni SenseNovaU1Pipeline, tiny checkpoint) ==")
     if not os.path.exists(rm.TINY_CHECKPOINTS):
@@ -189,14 +190,14 @@ def _report_tokens(name, ref, got, ref_logits) -> bool:
 def qwen_image_21(device: str) -> bool:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-    from . import random_models as rm
+    from . import qwen
 
     print("\n== Qwen-Image-2.1 (diffusers QwenImage21Transformer2DModel, random weights) ==")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    tf = rm.random_transformer(device=device, dtype=dtype,
-                              **(QWEN_GPU if device == "cuda" else QWEN_CPU))
-    kwargs = rm.synthetic_inputs(tf, text_tokens=32, target_shape=(16, 16))
+    tf = qwen.random_transformer(device=device, dtype=dtype,
+                                 **(QWEN_GPU if device == "cuda" else QWEN_CPU))
+    kwargs = qwen.synthetic_inputs(tf, text_tokens=32, target_shape=(16, 16))
     steps = 8
 
     def denoise():

@@ -4,11 +4,11 @@ Triton q/k-norm + rope kernel restated. Test scaffolding, not a runtime path (is
 
 from __future__ import annotations
 
-from .. import layer_ops
+from ..core.patching import HookRefused
+from ..core.reasons import Reason
 from ..hooks.sensenova_u1 import layouts, ops
 from ..hooks.sensenova_u1.fused_step import Fusion, _layers_not_fusable, _rope_once_kernel
-from ..patching import HookRefused
-from ..reasons import Reason
+from ..ops import layer_ops
 
 NOT_FUSABLE = Reason("decode step cannot be fused",
                      "nothing to change: the model's own step runs (see the detail)")

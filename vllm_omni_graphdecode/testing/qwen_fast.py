@@ -1,5 +1,5 @@
-"""Qwen-Image-2.1 fast step buffers outside a server: what ``prefix_graph`` allocates per entry and
-writes at bind, made directly for the tests and the probes (``benchmarks/probes``)."""
+"""Qwen-Image-2.1 fast step buffers outside a server: what ``graphs/prefix.py`` allocates per entry
+and writes at bind, made directly for the tests and the probes (``benchmarks/probes``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def empty_kv_buffers(layers: int, batch: int, prefix_len: int, target_len: int, 
                      head_dim: int, *, dtype: torch.dtype, device) -> KVBuffers:
     """Per layer one K and one V buffer ``(batch, prefix_len + target_len, heads, head_dim)``,
     uninitialised. Plain tensors whatever the caller's mode (a later call under no_grad may write
-    them), as ``prefix_graph`` allocates them."""
+    them), as ``graphs/prefix.py`` allocates them."""
     shape = (batch, prefix_len + target_len, heads, head_dim)
     with torch.inference_mode(False):
         kv = [(torch.empty(shape, dtype=dtype, device=device),

@@ -5,8 +5,9 @@ Why this exists
     storing the text and condition-image K/V of every layer, post-RoPE, ``(B, prefix, heads,
     head_dim)``) and every later step with ``"cached"``: only the target image's tokens are recomputed,
     each layer attending over ``torch.cat([cached_k, k])``. A cached step has the same shapes for the
-    whole request. ``prefix_graph`` captures it once per entry and replays it; this file is everything
-    Qwen-specific: what it reads from diffusers, eligibility, the step body and the wiring.
+    whole request. ``graphs/prefix.py`` captures it once per entry and replays it; this file is
+    everything Qwen-specific: what it reads from diffusers, eligibility, the step body and the
+    wiring.
 
 What runs where on a cached step
     once per request branch (bind), eager: the target's rotary rows and modulation mask from the
@@ -36,7 +37,7 @@ sequence/ring/tensor parallel or HSDP; torch.compile'd blocks; offload or hooks 
 blocks; weights not resident on the device; dynamic LoRA wrappers (peft, vLLM); a custom attention
 processor; quantized prefix K/V; prefix K/V not populated or not matching the request's layout; a
 forward call with arguments this hook does not know (a newer diffusers'); sleep's release no
-longer reaching the graphs (checked at bind); and, from ``prefix_graph``, capacity, OOM, capture
+longer reaching the graphs (checked at bind); and, from ``graphs/prefix.py``, capacity, OOM, capture
 failure (until sleep level 2), verify mismatch and a release during the step. The extract step
 always runs as diffusers runs it. A hook, adapter or compile added after binding is seen at the
 next step (``eligibility.Watch``); weights moved by ``.to()`` (``pipe.to("cpu");
@@ -67,9 +68,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import config, patching
-from ...patching import HookRefused
-from ...reasons import Reason
+from ... import config
+from ...core import patching
+from ...core.patching import HookRefused
+from ...core.reasons import Reason
 from . import names
 from .cached_step import MODEL, CachedStepGraphs
 from .names import find_target
@@ -133,8 +135,9 @@ def enable(pipe_or_transformer, *, verify: bool | None = None, max_entries: int 
 
     ``verify``, ``max_entries`` and ``mode`` ("fast" or "exact") default to
     ``VLLM_OMNI_GRAPHDECODE_VERIFY`` / ``_MAX_ENTRIES`` / ``_QWEN_MODE``. ``attention`` ("auto",
-    "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``kernels``, ``fast_step``);
-    ``fp8`` (default: ``VLLM_OMNI_GRAPHDECODE_FP8`` names ``qwen_image_21``) its W8A8 GEMMs.
+    "3", "2", "sdpa") and ``compile`` choose the fast mode's parts (``ops/attention.py``,
+    ``fast_step``); ``ops/fp8`` (default: ``VLLM_OMNI_GRAPHDECODE_FP8`` names ``qwen_image_21``)
+    its W8A8 GEMMs.
     ``capture=False`` runs the same static-buffer step eagerly (any device). Returns the wiring
     (``unwire`` undoes it); enabling an already wired transformer returns the existing one.
     Raises HookRefused when this diffusers version moved what the hook reads, and ValueError when no

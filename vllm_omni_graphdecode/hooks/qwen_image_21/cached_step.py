@@ -27,10 +27,11 @@ import weakref
 
 import torch
 
-from ... import eligibility, kernels, patching, stats
-from ...fp8 import w8a8_available
-from ...prefix_graph import PrefixGraphs, PrefixKey, StaticBuffers
-from ...reasons import ARGUMENTS, FAST_NOT_HERE, WEIGHTS_MOVED, Reason
+from ...core import eligibility, patching, stats
+from ...core.reasons import ARGUMENTS, FAST_NOT_HERE, WEIGHTS_MOVED, Reason
+from ...graphs.prefix import PrefixGraphs, PrefixKey, StaticBuffers
+from ...ops import attention as attention_ops
+from ...ops.fp8.w8a8 import w8a8_available
 from . import fast_step, names
 from .rules import (AUTOGRAD, COMPILED, LAYOUT, NOT_CUDA, NOT_POPULATED, PADDED, QUANT_KV,
                     structure_reason)
@@ -59,10 +60,10 @@ class _Fast:
         dtype = transformer.img_in.weight.dtype
         head_dim = transformer.transformer_blocks[0].attn.inner_dim // \
             transformer.transformer_blocks[0].attn.heads
-        found = kernels.select_dense_attention(device, head_dim, dtype, attention)
+        found = attention_ops.select_dense_attention(device, head_dim, dtype, attention)
         if isinstance(found, Reason):  # an explicit kernel that cannot run: the last resort
             stats.degraded(MODEL, FAST_PARTIAL.because(f"attention: {found.describe()}"))
-            found = kernels.SdpaAttention((found,))
+            found = attention_ops.SdpaAttention((found,))
         for skipped in found.skipped:
             stats.degraded(MODEL, FAST_PARTIAL.because(f"attention {found.name}: "
                                                        f"{skipped.describe()}"))
@@ -401,7 +402,7 @@ class CachedStepGraphs:
             # vLLM-Omni runs requests under inference_mode: compile under it too (Dynamo guards
             # on the grad mode), so the first request reuses this code.
             with torch.inference_mode():
-                with torch.inference_mode(False):  # as prefix_graph allocates its buffers
+                with torch.inference_mode(False):  # as graphs/prefix.py allocates its buffers
                     kv = [tuple(torch.zeros(batch, prefix + target_tokens, attn.heads, head_dim,
                                             dtype=dtype, device=device) for _ in range(2))
                           for _ in tf.transformer_blocks]

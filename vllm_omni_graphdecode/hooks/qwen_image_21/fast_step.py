@@ -3,10 +3,10 @@
 Why this exists
     The exact mode replays diffusers' own blocks (per layer a ``torch.cat`` of prefix and target
     K/V, SDPA, a dozen unfused elementwise kernels). This is the same math with three changes, still
-    captured as one graph per entry by ``prefix_graph``:
+    captured as one graph per entry by ``graphs/prefix.py``:
     1. ``KVBuffers``: per layer one K and one V buffer ``(B, prefix + target, H, D)``
-       (``prefix_graph`` allocates them per entry); the prefix is written once at bind, each step
-       writes the target's K/V into the tail in place (no cat).
+       (``graphs/prefix.py`` allocates them per entry); the prefix is written once at bind, each
+       step writes the target's K/V into the tail in place (no cat).
     2. ``select_dense_attention``: vllm's FA3 on Hopper, FA2 elsewhere, SDPA last; chosen once,
        with the reason each faster kernel was skipped.
     3. ``FastBlocks(compile=True)``: Inductor fuses the elementwise work in two regions shared by
@@ -42,7 +42,7 @@ per tensor per layer at 1024x1024 bf16 (2 GiB for 32 layers) over prefix-only bu
 construction: rebuild ``FastBlocks`` after the weights change.
 
 FP8 (``fp8=True``, ``VLLM_OMNI_GRAPHDECODE_FP8`` naming ``qwen_image_21``): the seven linear
-layers of every block run W8A8 (``fp8.w8a8_linear``: e4m3 weights with a scale per output channel,
+layers of every block run W8A8 (``w8a8.w8a8_linear``: e4m3 weights with a scale per output channel,
 made here once, and each activation row quantised on the fly), so the rounding moves further from
 diffusers' (the PSNR is in docs/performance.md). The e4m3 copies add half the bf16 bytes of those
 layers (6.98 GB at the real shape); the bf16 weights stay for the extract step and the exact mode.
@@ -53,8 +53,9 @@ Preconditions (the caller checks them at bind): the step's rows are the target i
 all-True modulation mask (``mask_all_target``; the body reads the real-timestep rows
 ``modulation[:-1]``); no padded text mask; ``structure_problem`` is None. Not covered: padded text
 (key_valid), FA4, FP8 attention (FA3's measured no faster at this shape, 23x the error:
-``benchmarks/probes/fp8_attention.py``). Dynamo's ``recompile_limit`` (default 8) bounds the (batch, target shape,
-option) sets per process; past it a call raises ``CompileFailed`` and the exact step runs.
+docs/performance-history.md, ``benchmarks/results/h200-2026-12-01g``). Dynamo's
+``recompile_limit`` (default 8) bounds the (batch, target shape, option) sets per process; past it
+a call raises ``CompileFailed`` and the exact step runs.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...compiling import (  # noqa: F401 - the names callers read from here
+from ...core.reasons import STRUCTURE, Reason
+from ...graphs.compiling import (  # noqa: F401 - the names callers read from here
     COMPILE_FAILED,
     FAST_BODY_OPTIONS,
     NO_COMPILE,
@@ -73,8 +75,7 @@ from ...compiling import (  # noqa: F401 - the names callers read from here
     compile_supported,
     dense_strides as _dense_strides,
 )
-from ...fp8 import W8A8Copies, linear
-from ...reasons import STRUCTURE, Reason
+from ...ops.fp8.w8a8 import W8A8Copies, linear
 
 Tensor = torch.Tensor
 
@@ -89,7 +90,7 @@ def mask_all_target(mask: Tensor) -> bool:
 
 class KVBuffers:
     """Per layer one K and one V buffer, ``(batch, prefix_len + target_len, heads, head_dim)``,
-    allocated elsewhere (``prefix_graph``'s ``StaticBuffers.kv``; tests and probes:
+    allocated elsewhere (``graphs/prefix.py``'s ``StaticBuffers.kv``; tests and probes:
     ``testing.qwen_fast.kv_buffers``). ``prefix``: per layer views of the first ``prefix_len`` rows
     (written once per request); ``tails``: of the rest, the target's K/V of the current step
     (written in place by the fast body). Allocates nothing."""

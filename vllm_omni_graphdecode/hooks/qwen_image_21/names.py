@@ -11,8 +11,8 @@ import importlib
 import inspect
 import sys
 
-from ...patching import HookRefused, check_signature
-from ...reasons import Reason
+from ...core.patching import HookRefused, check_signature
+from ...core.reasons import Reason
 
 MOVED = Reason("diffusers' Qwen-Image-2.1 code moved",
                "use diffusers 0.41.0-0.42.1 (python -m vllm_omni_graphdecode doctor)")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import eligibility
-from ...reasons import (AUTOGRAD, COMPILED, HOOKS, LORA, NOT_CUDA, OFFLOAD, PARALLEL, QUANT_KV,
-                        Reason)
+from ...core import eligibility
+from ...core.reasons import (AUTOGRAD, COMPILED, HOOKS, LORA, NOT_CUDA, OFFLOAD, PARALLEL, QUANT_KV,
+                             Reason)
 from . import names
 
 __all__ = ["AUTOGRAD", "COMPILED", "HOOKS", "LAYOUT", "LORA", "NOT_CUDA", "NOT_POPULATED",

@@ -16,18 +16,23 @@ Files, one concern each:
     rules.py       the gate: why a request runs eagerly (TP, offload, compile, KV quant, hooks),
                    over a walk of the model made again only after a change
     step.py        the one-token step over paged K/V (the attention branch, the static inputs)
+    step_args.py   the plugin's keyword down the model's kwargs chain and its value, which
+                   step.py passes and fused_step.py's patched layers read
     fused_step.py  vllm's fused norms and SiLU; on 0.24-0.28 also rope once per step (delete that
-                   part with the backport layout); opt-in tuned GEMVs
+                   part with the backport layout); opt-in tuned GEMVs; FP8 copies
+    gemv_table.py  the one-row FP8 GEMV's measured block sizes at this model's shapes, handed to
+                   ``ops/fp8``
     ops.py         one rms_norm, rope-table and q/k-norm + rope, shared by the bodies below
     batch.py       requests decoding together under --max-num-seqs > 1: the engine's declaration,
                    the batched forward, the 16-row step
     wiring.py      install() / unwire(): the pipeline methods patched (through one
                    patching.Patches), sleep release, pre-capture
     denoise.py     image denoising: each CFG branch's step replayed over static prefix + image
-                   K/V buffers (``prefix_graph``); ``fast_denoise.py`` its restated body
+                   K/V buffers (``graphs/prefix.py``); ``fast_denoise.py`` its restated body
 
-The mechanisms are model-agnostic: ``ar_session`` / ``paged_tiers`` (one sequence at a time,
-hand-backs, LoRA, release), ``batch_decode`` / ``batch_kv`` / ``turns`` (several together).
+The mechanisms are model-agnostic: ``decode/session.py`` / ``decode/tiers.py`` (one sequence at a
+time, hand-backs, LoRA, release), ``decode/batch/decoder.py`` / ``decode/batch/kv.py`` / ``turns``
+(several together).
 
 vllm-omni 0.30 ships its own paged decode (``_decode_context``). By default this hook defers to
 it for one request at a time; with ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=takeover``, or
@@ -35,16 +40,16 @@ whenever the engine batches (``--max-num-seqs`` above 1), the in-tree context is
 that returns None (so it cannot run too) and this hook's path runs.
 
 Both loops take several tokens per graph launch, each next token chosen on the device
-(``vllm_omni_graphdecode.token_loop``, ``batch_decode``): by argmax, or, for a text loop that
-samples, drawn on the device at the loop's temperature.
+(``vllm_omni_graphdecode.decode.token_loop``, ``decode/batch/decoder.py``): by argmax, or, for a
+text loop that samples, drawn on the device at the loop's temperature.
 
 Counted in ``stats`` under "sensenova_u1": ``paged_request`` (sessions opened), ``capture``,
 ``replay``, ``token_launch`` (multi-token launches), ``host_picked_token`` (tokens near a bucket's
 end, one launch each), ``sampled_request`` (text loops drawn on the device), ``paged_eager_step``
 (paged step without a graph), ``eager_step`` (a step of the pipeline's own decode),
 ``lora_request`` (graphs captured for one request only), ``verified`` / ``verify_mismatch``, the
-batched path's ``batch_*`` counters (``batch_decode``, ``batch.py``), and each fallback by its
-reason.
+batched path's ``batch_*`` counters (``decode/batch/decoder.py``, ``batch.py``), and each fallback
+by its reason.
 
 Scope: TP 1. Delete the backport layout and the rope-once part of ``fused_step.py`` when
 vllm-omni < 0.30 is no longer supported.
@@ -52,7 +57,7 @@ vllm-omni < 0.30 is no longer supported.
 
 from __future__ import annotations
 
-from ...ar_session import BUSY, CAPTURE_FAILED, OOM, RELEASED
+from ...decode.session import BUSY, CAPTURE_FAILED, OOM, RELEASED
 from .fused_step import UNFUSED, Fusion
 from .layouts import LAYOUTS, Layout, detect_layout
 from .rules import COMPILED, HOOKED, KV_QUANT, OFFLOAD, TP

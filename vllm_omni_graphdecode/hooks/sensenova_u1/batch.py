@@ -4,8 +4,8 @@ Why: vLLM-Omni refuses ``--max-num-seqs`` above 1 for SenseNova-U1 ("does not su
 request-level batching"), so a server decodes one request at a time, each token reading all of
 the understanding weights. Here the pipeline declares request batching (``declare``), and the
 think and text loops of the requests it is handed together decode as rows of one batched step
-(``batch_decode``), each request otherwise running the pipeline's own code (``turns``): its
-prefill, its loop, its denoising, its output.
+(``decode/batch/decoder.py``), each request otherwise running the pipeline's own code
+(``turns``): its prefill, its loop, its denoising, its output.
 
 Three places:
 
@@ -35,12 +35,14 @@ import threading
 
 import torch
 
-from ... import patching, stats, turns
-from ...batch_decode import BatchDecoder, RowSampling, choose
-from ...batch_kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
-from ...patching import HookRefused, check_signature
-from ...reasons import ARGUMENTS, OOM, Reason
-from ...token_loop import HostLogits
+from ...core import patching, stats
+from ...core.patching import HookRefused, check_signature
+from ...core.reasons import ARGUMENTS, OOM, Reason
+from ...decode.batch import turns
+from ...decode.batch.decoder import BatchDecoder
+from ...decode.batch.kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
+from ...decode.sampling import RowSampling, choose
+from ...decode.token_loop import HostLogits
 from . import layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
 
@@ -80,7 +82,7 @@ def engine_loses_batches(version: str | None) -> Reason | None:
 
 
 class BatchStep:
-    """The ``batch_decode.BatchStepModel`` of a SenseNova-U1 language model: ``rows`` one-token
+    """The ``decoder.BatchStepModel`` of a SenseNova-U1 language model: ``rows`` one-token
     sequences as one sequence of ``rows`` tokens through the model's forward, attention through
     the batch's paged K/V (``PAGED_KWARG``). ``fusion``: the fused step's norms and rope
     (``fused_step.Fusion`` without its GEMVs: the linear layers are the modules' own, cuBLAS at a
@@ -370,7 +372,7 @@ def _nothing() -> None:
 class EagerRow:
     """A loop of a batch that decodes on the pipeline's eager path (its batch refused, or its
     row handed back), drawing a sampled loop's tokens from the row's own stream: the launches'
-    function (``batch_decode.choose``) over the eager step's logits, at the same positions."""
+    function (``decode/sampling.py`` ``choose``) over the eager step's logits, at the same positions."""
 
     live = False
 
@@ -475,8 +477,8 @@ def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
     decoder = batch.decoder
     if decoder is None:
         return None
-    from ...ar_session import dynamic_cache_reason
-    from ... import kernels
+    from ...decode.session import dynamic_cache_reason
+    from ...ops import attention as kernels
 
     reason = dynamic_cache_reason(cache, kernels.REFERENCE)
     if reason is None and cache.layers[0].keys.dtype != batch.dtype:

@@ -10,7 +10,7 @@ Why
     request: vllm-omni 0.24-0.30 copy them once into per-layer ``flash_k_cache`` /
     ``flash_v_cache`` buffers of prefix + image rows (``prepare_flash_kv_cache``), and each step
     writes its image K/V into the tail. So a branch step is one fixed kernel sequence per
-    (branch, shape), the case ``prefix_graph`` exists for.
+    (branch, shape), the case ``graphs/prefix.py`` exists for.
 
 What is replayed
     The branch step is the pipeline's own ``_t2i_predict_v`` (its code, called with a stand-in
@@ -23,10 +23,10 @@ What is replayed
     embedders, the CFG combination, the Euler update) stays the pipeline's own eager code.
 
 Per request and branch
-    The owner of a ``prefix_graph`` entry is the branch's cache object (one per branch and request),
-    so two requests in flight never share prefix buffers. At the branch's first step the prefix
-    rows are copied into the entry and the cache's ``flash_*`` buffers are re-pointed at the
-    entry's (no second copy of the K/V lives while the request runs); the entry goes back to the
+    The owner of a prefix entry (``graphs/prefix.py``) is the branch's cache object (one per branch
+    and request), so two requests in flight never share prefix buffers. At the branch's first step
+    the prefix rows are copied into the entry and the cache's ``flash_*`` buffers are re-pointed at
+    the entry's (no second copy of the K/V lives while the request runs); the entry goes back to the
     pool when ``_run_denoising_loop`` returns or raises. The timestep, the image embeddings and
     the latents are copied into the entry's step buffers each step. Every branch step first checks
     an ``eligibility.Watch`` on what the step reads (the language model, the flow-matching head,
@@ -58,10 +58,12 @@ import weakref
 
 import torch
 
-from ... import eligibility, fp8, patching, prefix_graph, stats
-from ...patching import HookRefused, check_signature
-from ...reasons import (ARGUMENTS, AUTOGRAD, FAST_NOT_HERE, LORA, NOT_CUDA, PARALLEL, QUANT_KV,
-                        WEIGHTS_MOVED, Reason)
+from ...core import eligibility, patching, stats
+from ...core.patching import HookRefused, check_signature
+from ...core.reasons import (ARGUMENTS, AUTOGRAD, FAST_NOT_HERE, LORA, NOT_CUDA, PARALLEL, QUANT_KV,
+                             WEIGHTS_MOVED, Reason)
+from ...graphs.prefix import Entry, PrefixGraphs, PrefixKey, StaticBuffers
+from ...ops.fp8 import w8a8
 from . import fast_denoise, layouts, ops, rules
 
 MODEL = "sensenova_u1_image"
@@ -176,7 +178,7 @@ class _BufferCache:
 class _Branch:
     """What was decided for one branch cache (the owner) at its first step."""
 
-    entry: prefix_graph.Entry | None
+    entry: Entry | None
     reason: Reason | None = None
 
 
@@ -204,12 +206,12 @@ class Denoiser:
         self._fast_code = None
         self._fast_mode = cfg.sensenova_denoise == "fast"
         self._fp8 = "sensenova_denoise" in cfg.fp8
-        self._copies: fp8.W8A8Copies | None = None  # a rebuilt fast body's FP8 copies: the last's
+        self._copies: w8a8.W8A8Copies | None = None  # a rebuilt fast body's FP8 copies: the last's
         if self._fast_mode:  # built now, so the load's summary says what runs
             self.fast = self._build_fast()
         elif self._fp8:
             stats.degraded(MODEL, FP8_NEEDS_FAST.because(f"mode {cfg.sensenova_denoise}"))
-        self.graphs = prefix_graph.PrefixGraphs(MODEL, self._static_step,
+        self.graphs = PrefixGraphs(MODEL, self._static_step,
                                                 max_entries=cfg.max_entries, verify=cfg.verify,
                                                 capture=capture is not False,
                                                 max_idle=IDLE_ENTRIES)
@@ -229,7 +231,7 @@ class Denoiser:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def _static_step(self, bufs: prefix_graph.StaticBuffers) -> torch.Tensor:
+    def _static_step(self, bufs: StaticBuffers) -> torch.Tensor:
         kwargs = dict(bufs.key.consts)
         prefix_len = bufs.prefix[0][0].shape[1]
         code = self._step_code
@@ -411,13 +413,13 @@ class Denoiser:
             return LORA.because("language_model")
         return None
 
-    def _bind(self, owner, kwargs) -> prefix_graph.Entry | None:
+    def _bind(self, owner, kwargs) -> Entry | None:
         layers = owner.layers
         prefix = layers[0].flash_prefix_len
         image = kwargs["input_embeds"].shape[1]
         consts = tuple(sorted((name, _hashable(value)) for name, value in kwargs.items()
                               if name not in NOT_CONSTANT))
-        key = prefix_graph.PrefixKey(
+        key = PrefixKey(
             batch=kwargs["z"].shape[0], prefix_len=prefix, target=(image,),
             dtype=kwargs["input_embeds"].dtype, device=str(kwargs["z"].device),
             backend=_attention_backend(self.lm), consts=consts)
@@ -453,7 +455,7 @@ class Denoiser:
 
     def _build_fast(self, dtype=None):
         """The fast body over the model's weights now (``dtype``: their dtype), or its Reason."""
-        from ... import kernels
+        from ...ops import attention as attention_ops
 
         attn0 = self.lm.model.layers[0].self_attn
         dtype = dtype or attn0.qkv_proj_mot_gen.weight.dtype
@@ -461,16 +463,16 @@ class Denoiser:
         problem = fast_denoise.structure_problem(self.lm, self.layout.rope_per_layer)
         if problem is not None:
             return problem
-        attention = kernels.select_dense_attention(device, attn0.head_dim, dtype)
+        attention = attention_ops.select_dense_attention(device, attn0.head_dim, dtype)
         if isinstance(attention, Reason):
             return attention
         copies = None
         if self._fp8:
-            why = fp8.w8a8_available(device)
+            why = w8a8.w8a8_available(device)
             if why is None:
                 # A rebuilt body keeps the copies it can: a weight that moved is quantised again
                 # into its copy in place, one replaced gets a new one.
-                copies, self._copies = self._copies or fp8.W8A8Copies(), None
+                copies, self._copies = self._copies or w8a8.W8A8Copies(), None
             else:  # the fast body in bf16
                 stats.degraded(MODEL, why)
         try:

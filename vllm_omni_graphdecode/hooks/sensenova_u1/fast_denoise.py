@@ -7,8 +7,8 @@ Why
     around it, the diffusion attention, RMSNorm, residual adds, SiLU and the multiply as separate
     kernels (0.26: many more). Where a branch step's time goes on each release:
     ``docs/performance.md`` (``benchmarks/results/h200-2026-12-01b``, ``request-0.30.json``);
-    ``benchmarks/probes/sensenova_denoise_probe.py`` times these parts against what this body runs
-    instead.
+    a probe, since retired, timed these parts against what this body runs instead
+    (``benchmarks/results/h200-2026-12-01c``; docs/performance-history.md, the retired probes).
 
 What runs, per layer (``FastGen``; the same interface as ``denoise.GenForward``)
     pre   (compiled) qkv GEMM, split, per-head RMSNorm of the t half and the h/w half with their
@@ -27,8 +27,8 @@ Precision
     differs. The RMSNorm is restated as the release computes it: ``F.rms_norm`` (0.30) or its
     fp32 cast chain (0.24-0.28). ``compile=False`` with the same attention as the pipeline runs the
     restated math op for op (CPU test: equal to the pipeline's step within bf16 rounding of the
-    attention; ``benchmarks/probes/sensenova_denoise_probe.py`` checks each restated part bit for
-    bit against the modules).
+    attention; the retired probe checked each restated part bit for bit against the modules,
+    ``benchmarks/results/h200-2026-12-01c``).
 
 Measured (issue #13, H200): the step's GPU work against the pipeline's on 0.26 and 0.30, and the
 image's PSNR from the pipeline's with random weights, are in ``docs/performance.md`` (the fast
@@ -38,7 +38,7 @@ rounding must clear: ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=fast`` is opt-in 
 (``graph``) the default.
 
 FP8 (``fp8=``: ``VLLM_OMNI_GRAPHDECODE_FP8`` naming ``sensenova_denoise``): the four linear
-layers of every layer run W8A8 (``fp8.w8a8_linear`` via ``fp8.linear``: e4m3 copies with a scale
+layers of every layer run W8A8 (``w8a8.w8a8_linear`` via ``w8a8.linear``: e4m3 copies with a scale
 per output channel, each activation row quantised inside the compiled regions, the bias added
 after the GEMM). Measured (H200, vllm-omni 0.30, 1024x1024, ``benchmarks/results/h200-2026-12-01g``):
 a step of both branches 44.4 ms against the release's 73.3 (the bf16 fast body: 61.6); with random
@@ -53,9 +53,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from ...compiling import COMPILE_FAILED, FAST_BODY_OPTIONS, CompileFailed, Regions, dense_strides
-from ...fp8 import W8A8Copies, linear
-from ...reasons import STRUCTURE, Reason
+from ...core.reasons import STRUCTURE, Reason
+from ...graphs.compiling import (COMPILE_FAILED, FAST_BODY_OPTIONS, CompileFailed, Regions,
+                                 dense_strides)
+from ...ops.fp8.w8a8 import W8A8Copies, linear
 from .ops import qk_norm_rope, rms_norm, rope_tables
 
 Tensor = torch.Tensor
@@ -66,7 +67,7 @@ Tensor = torch.Tensor
 def pre_attention(normed: Tensor, w_qkv: Tensor, b_qkv: Tensor | None, wq, wk, wq_hw, wk_hw,
                   tables, eps: float, cast_chain: bool, heads: int, kv_heads: int, head_dim: int):
     """One layer up to the attention: (q, k, v), each (B, S, heads, D). A weight is a bf16
-    tensor or an e4m3 copy (``fp8.linear``)."""
+    tensor or an e4m3 copy (``w8a8.linear``)."""
     b, s = normed.shape[:2]
     qkv = linear(normed, w_qkv, b_qkv)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
@@ -182,10 +183,10 @@ class FastGen:
     docstring). Called as ``denoise.GenForward`` is: ``past_key_values`` holds per layer
     ``flash_k_cache`` / ``flash_v_cache`` ``(B, prefix + image, kv_heads, D)`` and
     ``flash_prefix_len``; the image rows are overwritten. ``attention``: from
-    ``kernels.select_dense_attention``; call ``prepare`` for each buffer shape outside a capture.
+    ``attention.select_dense_attention``; call ``prepare`` for each buffer shape outside a capture.
     Raises ``CompileFailed`` (compile unavailable here, or a compile that failed).
 
-    ``fp8``: the four linear layers of every layer run W8A8 (``fp8.w8a8_linear``) from these
+    ``ops/fp8``: the four linear layers of every layer run W8A8 (``w8a8.w8a8_linear``) from these
     copies, made now (``fp8.nbytes``); ``release_copies`` drops them (sleep level 2, after the
     graphs that read them), and the next call makes them again."""
 

@@ -36,10 +36,12 @@ import inspect
 
 import torch
 
-from ... import fp8, gemv, layer_ops
-from ...reasons import Reason
-from . import layouts, ops, rope_store
-from .step import PAGED_KWARG
+from ...core.reasons import Reason
+from ...ops import gemv, layer_ops
+from ...ops.fp8 import marlin, quant
+from ...ops.fp8.linears import HEAD_KEPT, LAYER_KEPT, Fp8Linears
+from . import gemv_table, layouts, ops, rope_store
+from .step_args import PAGED_KWARG
 
 UNFUSED = Reason("decode step unfused",
                  "a CUDA build of vllm and vllm-omni's Triton qk-norm + rope kernel (see the detail)")
@@ -78,7 +80,7 @@ class Fusion:
 
     def swiglu_mlp(self, mlp, x, residual):
         """``residual + mlp(x)`` in two launches where the FP8 one-row GEMV serves both of its
-        layers (``fp8.Fp8Linears.swiglu_mlp``), else None (the caller runs its steps)."""
+        layers (``linears.Fp8Linears.swiglu_mlp``), else None (the caller runs its steps)."""
         fn = getattr(self.gemv, "swiglu_mlp", None)
         return None if fn is None else fn(mlp.gate_up_proj, mlp.down_proj, x, residual)
 
@@ -91,10 +93,10 @@ class Fusion:
 
     @property
     def fp8_head(self):
-        """The FP8 copies when they hold an ``lm_head`` copy (``fp8.Fp8Linears.logits``), else
+        """The FP8 copies when they hold an ``lm_head`` copy (``linears.Fp8Linears.logits``), else
         None: the model's own head computes the step's logits."""
         linears = self.gemv
-        return linears if isinstance(linears, fp8.Fp8Linears) and linears.has_head else None
+        return linears if isinstance(linears, Fp8Linears) and linears.has_head else None
 
     def projection(self, module):
         """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""
@@ -104,7 +106,7 @@ class Fusion:
     def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16, *,
                tuned_gemv: bool = False, linears=None):
         """The production parts this device and layout support. ``linears``: the linear layers
-        through these (``fp8.Fp8Linears``, from ``fp8_linears``); else with ``tuned_gemv``
+        through these (``linears.Fp8Linears``, from ``fp8_linears``); else with ``tuned_gemv``
         through Inductor's GEMVs tuned by timing (``gemv.py``: faster, but another process may
         round differently); otherwise the modules' own GEMMs."""
         if not layout.fused_step:
@@ -149,7 +151,7 @@ class Fusion:
             parts.append("q/k rope + K/V write in one launch")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
-        if isinstance(self.gemv, fp8.Fp8Linears):
+        if isinstance(self.gemv, Fp8Linears):
             parts.append(self.gemv.describe())
         elif self.gemv is not None:
             parts.append("Inductor GEMVs")
@@ -197,14 +199,15 @@ class Fusion:
 
 def fp8_linears(language_model, device, model: str, one_row: bool = False,
                 lm_head: bool = False):
-    """``(fp8.Fp8Linears or None, why not / what stays bf16)``: e4m3 copies of every decoder
+    """``(linears.Fp8Linears or None, why not / what stays bf16)``: e4m3 copies of every decoder
     layer's qkv, o, gate-up and down projections (what a decode step reads), made now.
-    ``one_row``: only the one-request step reads them (``fp8.Fp8Linears``). ``lm_head``: the
-    head too, through the one-row GEMV (``fp8.Fp8Linears.quantize_head``; else its reason)."""
-    why = fp8.available(device)
+    ``one_row``: only the one-request step reads them (``linears.Fp8Linears``). ``lm_head``: the
+    head too, through the one-row GEMV (``linears.Fp8Linears.quantize_head``; else its reason)."""
+    why = marlin.available(device)
     if why is not None:
         return None, [why]
-    linears = fp8.Fp8Linears(model, one_row=one_row, device=device)
+    linears = Fp8Linears(model, one_row=one_row, device=device,
+                                     gemv_table=gemv_table.MEASURED)
     modules = {}
     attns = layouts.attention_modules(language_model)
     for i, (layer, attn) in enumerate(zip(language_model.model.layers, attns)):
@@ -214,14 +217,14 @@ def fp8_linears(language_model, device, model: str, one_row: bool = False,
             modules[f"layers.{i}.{name}"] = gemv.base_of_inactive_lora(module)
     kept = linears.quantize(modules)
     if not len(linears):
-        return None, [fp8.NO_FP8.because(f"no layer can take a copy ({', '.join(kept[:3])} ...)")]
+        return None, [quant.NO_FP8.because(f"no layer can take a copy ({', '.join(kept[:3])} ...)")]
     more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
-    why = [fp8.LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else []
+    why = [LAYER_KEPT.because(", ".join(kept[:3]) + more)] if kept else []
     if linears.why_not_gemv is not None:
         why.append(linears.why_not_gemv)
     if lm_head:
         if not _takes(language_model, "compute_logits"):
-            why.append(fp8.HEAD_KEPT.because(
+            why.append(HEAD_KEPT.because(
                 f"{type(language_model).__name__}.forward takes no compute_logits"))
         else:
             kept_head = linears.quantize_head(language_model)

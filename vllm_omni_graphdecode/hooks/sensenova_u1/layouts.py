@@ -13,8 +13,8 @@ import dataclasses
 import inspect
 import sys
 
-from ...patching import HookRefused, check_signature, takes_var_kwargs
-from ...reasons import Reason
+from ...core.patching import HookRefused, check_signature, takes_var_kwargs
+from ...core.reasons import Reason
 
 UNKNOWN_LAYOUT = Reason("unknown SenseNova-U1 code layout",
                         "use vllm-omni 0.24-0.30 (python -m vllm_omni_graphdecode doctor)")

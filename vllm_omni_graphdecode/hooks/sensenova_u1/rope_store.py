@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ...reasons import Reason
-from ...compiling import triton_kernel
+from ...core.reasons import Reason
+from ...graphs.compiling import triton_kernel
 
 NO_ROPE_STORE = Reason("two-kernel q/k rope and K/V write",
                        "a CUDA GPU with Triton, a bf16/fp16 paged cache and a power-of-two "

@@ -12,8 +12,8 @@ the reason is counted and logged once. ``gate`` is the reason alone, with the pa
 
 from __future__ import annotations
 
-from ... import eligibility
-from ...reasons import COMPILED, HOOKS, OFFLOAD, PARALLEL, QUANT_KV, Reason
+from ...core import eligibility
+from ...core.reasons import COMPILED, HOOKS, OFFLOAD, PARALLEL, QUANT_KV, Reason
 
 # The shared reasons under the names this hook has always exported; the detail says which case.
 TP = PARALLEL  # tensor parallel > 1: the captured step would hold collectives
@@ -67,7 +67,7 @@ def verdict(pipe, lm, found: eligibility.Structure | None = None) -> tuple[Reaso
 
 def gate(pipe, lm, kernel) -> Reason | None:
     """The first reason this pipeline's requests run eagerly now, or None. ``kernel`` is what
-    ``kernels.select_kernel`` found: a kernel, or its own ``Reason`` (None: not asked)."""
+    ``attention.select_kernel`` found: a kernel, or its own ``Reason`` (None: not asked)."""
     if isinstance(kernel, Reason):
         return kernel
     return verdict(pipe, lm)[0]

@@ -5,15 +5,15 @@ keyword (``PAGED_KWARG``), passed down the model's ``**kwargs`` chain (``ForCaus
 ``Model.forward`` -> ``DecoderLayer.forward`` -> ``_forward_und`` -> ``Attention.forward`` ->
 ``forward_und``, unchanged in vllm-omni 0.24-0.30): it projects and ropes as the model does (or
 through the fused step's once-per-token tables, ``fused_step.py``), then attends through
-``paged_decode.PagedKVCache``. The branch is keyed on the keyword, not on ``attention_mask is
+``paged.PagedKVCache``. The branch is keyed on the keyword, not on ``attention_mask is
 None``: vllm-omni 0.24-0.28 pass an all-zeros mask for one query token. Without the keyword every
 patched method runs the model's own code.
 
-``Step`` is the ``ar_session.StepModel`` for this model: its static inputs (token, rope indexes)
+``Step`` is the ``session.StepModel`` for this model: its static inputs (token, rope indexes)
 and the forward a graph records. ``paged_decoder(lm, ...)`` is the standalone API the benchmarks
 and tests drive::
 
-    dec = paged_decoder(lm, kernel=kernels.select_kernel("cuda", 128), buckets=(512, 1024))
+    dec = paged_decoder(lm, kernel=attention.select_kernel("cuda", 128), buckets=(512, 1024))
     dec.begin(past_key_values)            # prefilled DynamicCache, batch 1
     for ...:
         logits = dec.step(token, t_index)  # token: (1,) long tensor or int; t_index: its rope time
@@ -28,30 +28,17 @@ import functools
 
 import torch
 
-from ... import layer_ops
-from ...ar_session import PagedDecoder
-from ...reasons import Reason
+from ...core.reasons import Reason
+from ...decode.session import PagedDecoder
+from ...ops import layer_ops
 from . import layouts
+from .step_args import PAGED_KWARG, StepArgs
 
 MODEL = "sensenova_u1"
-# Our own keyword down the model's **kwargs chain. Upstream 0.30 uses "paged_cache"; never collide.
-PAGED_KWARG = "graphdecode_paged_kv"
-
-
-class StepArgs:
-    """``PAGED_KWARG``'s value for one decode step: the paged cache, the fused step's parts (or
-    None), and the rope tables once the first layer has computed them."""
-
-    __slots__ = ("cache", "fusion", "rope")
-
-    def __init__(self, cache, fusion):
-        self.cache = cache
-        self.fusion = fusion
-        self.rope = None
 
 
 class Step:
-    """The ``ar_session.StepModel`` of a SenseNova-U1 language model. ``fusion``: a
+    """The ``session.StepModel`` of a SenseNova-U1 language model. ``fusion``: a
     ``fused_step.Fusion`` or None (the model's own step); ``kv_writer``: ``layer_ops.KVWriter``
     or None (two ``index_copy_`` per layer)."""
 

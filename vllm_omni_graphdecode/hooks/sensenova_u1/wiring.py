@@ -2,8 +2,8 @@
 paged path.
 
 At load (``install``): every method patched or called is checked first (``layouts``); then
-- ``_generate_think`` / ``_generate_text`` open an ``ar_session`` session from the prefill cache
-  (or run as they are, with the reason counted), ``_ar_step`` runs through it, and
+- ``_generate_think`` / ``_generate_text`` open a session (``decode/session.py``) from the prefill
+  cache (or run as they are, with the reason counted), ``_ar_step`` runs through it, and
   ``_append_text_tokens_to_cache`` (the think path's next reader of the cache) first gets the
   decoded K/V written back;
 - vllm-omni 0.30's own ``_decode_context`` is replaced by one that returns None under
@@ -28,11 +28,13 @@ import threading
 
 import torch
 
-from ... import eligibility, kernels, paged_decode, patching, stats
-from ...ar_session import ARSessions, PagedDecoder
-from ...patching import HookRefused, check_signature
-from ...reasons import CHANGED, WEIGHTS_MOVED, Reason
-from ...token_loop import Sampling
+from ...core import eligibility, patching, stats
+from ...core.patching import HookRefused, check_signature
+from ...core.reasons import CHANGED, WEIGHTS_MOVED, Reason
+from ...decode import paged as paged_decode
+from ...decode.session import ARSessions, PagedDecoder
+from ...decode.token_loop import Sampling
+from ...ops import attention as kernels
 from . import batch as batch_mod
 from . import layouts, rules
 from .step import MODEL, Step, patch_attention, select_kv_writer
@@ -381,7 +383,7 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
 
 def _fp8_of(fusion):
     """The fused step's FP8 copies, shared with the batched step (made once), or None."""
-    from ...fp8 import Fp8Linears
+    from ...ops.fp8.linears import Fp8Linears
 
     linears = getattr(fusion, "gemv", None)
     return linears if isinstance(linears, Fp8Linears) else None

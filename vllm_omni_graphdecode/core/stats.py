@@ -124,7 +124,7 @@ def dumps() -> str:
 def dump_path() -> str:
     """Where this process writes its snapshot ("" when VLLM_OMNI_GRAPHDECODE_STATS_FILE is off)."""
     if not _dump["resolved"]:
-        from . import config
+        from .. import config
 
         try:
             template = config.get().stats_file

@@ -1,15 +1,14 @@
 """Paged K/V buffers for single-token decode, and one captured CUDA graph per length bucket.
 
 Why: an autoregressive decode step of a 42-layer model is hundreds of small kernels, and issuing
-them from Python is what costs. Measured on an H200 (README, Performance): SenseNova-U1's eager
+them from Python is what costs. Measured on an H200 (docs/performance.md): such a model's eager
 decode on vllm-omni 0.26 runs 57 ms/token at context 512, ~14x above the time needed to read its
-weights once. A CUDA graph
-retires the dispatch, but capture needs fixed shapes while a ``DynamicCache`` grows its K/V with
-``torch.cat`` every step. Padding the cache to a bucket and masking the tail gives fixed shapes,
-but the mask is what costs then (upstream measured 7.96-11.55 ms per step against 1.03 ms for
-exact-length attention on an A800). A *paged* cache avoids both: the buffers stay bucket-sized,
-and the kernel (``kernels``) reads only ``seqused_k`` valid keys, a device tensor. One capture
-then serves every step until the length leaves its bucket.
+weights once. A CUDA graph retires the dispatch, but capture needs fixed shapes while a
+``DynamicCache`` grows its K/V with ``torch.cat`` every step. Padding the cache to a bucket and
+masking the tail gives fixed shapes, but the mask is what costs then (upstream measured 7.96-11.55
+ms per step against 1.03 ms for exact-length attention on an A800). A *paged* cache avoids both: the
+buffers stay bucket-sized, and the kernel (``ops/attention.py``) reads only ``seqused_k`` valid
+keys, a device tensor. One capture then serves every step until the length leaves its bucket.
 
 What is here:
 
@@ -18,15 +17,15 @@ What is here:
   allocation (``capacity``) grows to the bucket of the longest sequence seen (or the pre-capture
   size) and is only given back by ``release()``; the *bucket* is the smallest scheduled length
   that holds the current sequence and may be smaller than the capacity, so every bucket's graph
-  stays valid while the buffers do. At SenseNova-U1's shape (42 layers, 8 KV heads, d 128, bf16)
-  a token slot costs 168 KiB: 336 MiB for 2048 tokens, 1.3 GiB for 8192.
+  stays valid while the buffers do. At 42 layers, 8 KV heads, d 128, bf16 a token slot costs
+  168 KiB: 336 MiB for 2048 tokens, 1.3 GiB for 8192.
 - ``DecodeGraphRunner``: one CUDA graph per (bucket, buffer generation), captured with
-  ``cuda_graphs.capture``. The step is given as a closure; this module knows no model.
+  ``capture.capture``. The step is given as a closure; this module knows no model.
 
 Scope: one sequence (batch 1), one query token per step, and one request at a time per cache: the
-caller serialises (``ar_session``). Growth past the last bucket goes in steps of ``tail_step``
-rather than doubling. Delete this module when vllm-omni drives decode through a scheduler-visible
-paged KV manager.
+caller serialises (``decode/session.py``). Growth past the last bucket goes in steps of
+``tail_step`` rather than doubling. Delete this module when vllm-omni drives decode through a
+scheduler-visible paged KV manager.
 """
 
 from __future__ import annotations
@@ -37,7 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import cuda_graphs, stats
+from ..core import stats
+from ..graphs import capture as graph_capture
 
 logger = stats.logger
 
@@ -66,7 +66,7 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
 class PagedKVCache:
     """Per-layer paged K/V for one sequence decoded one token at a time.
 
-    ``kernel`` is a ``kernels.Kernel`` (or anything with its call contract). The step's state
+    ``kernel`` is a ``attention.Kernel`` (or anything with its call contract). The step's state
     lives in device tensors (``seqused``, ``slot``), so a captured graph reads what they hold at
     replay. ``generation`` changes whenever the buffers are replaced: a graph captured under
     another generation points at freed memory.
@@ -85,7 +85,7 @@ class PagedKVCache:
         self.buckets = tuple(buckets)
         self.kernel = kernel
         # writer(key, value, k_cache, v_cache, slot) stores one token's (1, kv_heads, head_dim)
-        # K and V at ``slot`` (kernels.KVWriter: one kernel); None: two index_copy_ kernels.
+        # K and V at ``slot`` (layer_ops.KVWriter: one kernel); None: two index_copy_ kernels.
         self.writer = writer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -305,7 +305,7 @@ class DecodeGraphRunner:
     1. Key the step by ``(cache.bucket, cache.generation)``. Graphs of an older generation point
        at freed buffers: they are dropped as soon as the generation moves.
     2. A key disabled by verify, or ``graphs=False``, runs ``forward()`` eagerly.
-    3. No graph yet: ``cuda_graphs.capture`` (warm-ups, then the capture). Warm-up and capture
+    3. No graph yet: ``capture.capture`` (warm-ups, then the capture). Warm-up and capture
        rewrite the same K/V into the same slot, so they are idempotent.
     4. With ``verify``, the first replay of a new graph is compared with the eager step; a
        mismatch disables that graph (WARNING with the max difference) and the runner stays eager
@@ -365,7 +365,7 @@ class DecodeGraphRunner:
         if entry is None:
             try:
                 entry = self._capture(key)
-            except cuda_graphs.CaptureFailed as exc:
+            except graph_capture.CaptureFailed as exc:
                 if self.on_capture_failed is None:
                     raise
                 self.on_capture_failed(exc)
@@ -391,8 +391,8 @@ class DecodeGraphRunner:
         return time.perf_counter() - start
 
     def _capture(self, key) -> _Graph:
-        """Raises ``cuda_graphs.CaptureFailed`` (the process repaired, nothing kept)."""
-        captured = cuda_graphs.capture(self.forward, self.cache.device, pool=self._pool)
+        """Raises ``capture.CaptureFailed`` (the process repaired, nothing kept)."""
+        captured = graph_capture.capture(self.forward, self.cache.device, pool=self._pool)
         entry = _Graph(captured.graph, captured.output)
         self._graphs[key] = entry
         stats.count(self.model, "capture")
@@ -409,16 +409,16 @@ class DecodeGraphRunner:
         torch.cuda.set_rng_state(rng, self.cache.device)
         # Eager second: it rewrites this step's K/V slot, so a faulty graph leaves nothing behind.
         eager = self.forward()
-        result = cuda_graphs.compare(replayed, eager, cuda_graphs.VERIFY_RTOL)
+        result = graph_capture.compare(replayed, eager, graph_capture.VERIFY_RTOL)
         if not result.ok:
             self._graphs.pop(key, None)
             self._disabled.add(key)
             self.eager_after_mismatch = True
-            stats.count(self.model, cuda_graphs.VERIFY_MISMATCH)
+            stats.count(self.model, graph_capture.VERIFY_MISMATCH)
             logger.warning("graphdecode: %s decode graph for bucket %d differs from the eager step "
                            "(max |diff| %.4g > %.4g): graph disabled, this request continues "
                            "eagerly", self.model, key[0], result.max_abs_diff, result.limit)
             return eager
         entry.verified = True
-        stats.count(self.model, cuda_graphs.VERIFIED)
+        stats.count(self.model, graph_capture.VERIFIED)
         return eager

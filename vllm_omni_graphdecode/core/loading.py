@@ -18,9 +18,10 @@ import importlib.abc
 import sys
 import threading
 
-from . import config, stats
-from .hooks import load as load_hook
-from .models import MODELS
+from .. import config
+from ..models import MODELS
+from ..models import load as load_hook
+from . import stats
 from .patching import HookRefused, check_signature, omni_version
 from .reasons import Reason
 

@@ -1,8 +1,8 @@
 """vllm's own CUDA ops for the elementwise work of a one-token decoder layer, and its one-kernel
 paged K/V write: each selected on a device after a check against plain torch, or the reason not.
 
-Not attention (``kernels``) and not model code: the SenseNova-U1 fused step
-(``hooks/sensenova_u1/fused_step.py``) decides where they go. The plain-torch references here
+Not attention (``ops/attention.py``) and not model code: a hook's fused step decides where they
+go. The plain-torch references here
 restate the same contracts for tests and CPU runs.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reasons import NOT_CUDA, Reason
+from ..core.reasons import NOT_CUDA, Reason
 
 # Why the decode step runs the model's own (unfused) norms and activation. Not a fallback to
 # eager: the step is still paged and graphed, it just launches more small kernels.
@@ -59,7 +59,7 @@ class LayerOps:
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm (vllm-omni 0.24-0.28 ``Qwen3RMSNorm``) with its rounding points."""
+    """The model's RMSNorm (vllm-omni 0.24-0.28's language models) with its rounding points."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)

@@ -1,16 +1,16 @@
 """FP8 (e4m3) weight GEMV for a decode step of one row: HAND-WRITTEN Triton, because the
 libraries measured short of the bytes at one row.
 
-Why: at one token a linear layer must read its weight once, so with e4m3 weights the 168
-layers of SenseNova-U1's decode step read 8.1 GB, 1.89 ms at the H200's 4.28 TB/s. The
-libraries at one row, the 168 layers as one graph (``benchmarks/probes/fp8_gemv.py``,
+Why: at one token a linear layer must read its weight once, so with e4m3 weights the 168 layers of
+the measured decode step (42 decoder layers, docs/performance.md) read 8.1 GB, 1.89 ms at the H200's
+4.28 TB/s. The libraries at one row, the 168 layers as one graph (``benchmarks/probes/fp8_gemv.py``,
 ``benchmarks/results/h200-2026-12-01f/fp8-probe-0.26``): vLLM's Marlin W8A16 3.31 ms (1.75x the
-floor), CUTLASS W8A8 3.09 (activations quantised too), ``torch._scaled_mm`` 5.02. Marlin and
-CUTLASS are tensor-core GEMMs that pad one row to a tile; a GEMV needs no tile. This kernel is the
-plain one: each program owns ``BLOCK_N`` output channels of one row, streams their e4m3 weight
-rows ``BLOCK_K`` bytes at a time, widens them to fp32 in registers against the bf16 activations,
-and reduces once at the end; the per-channel scale and the bias are applied in fp32 before the
-one bf16 rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in the same run
+floor), CUTLASS W8A8 3.09 (activations quantised too), ``torch._scaled_mm`` 5.02. Marlin and CUTLASS
+are tensor-core GEMMs that pad one row to a tile; a GEMV needs no tile. This kernel is the plain
+one: each program owns ``BLOCK_N`` output channels of one row, streams their e4m3 weight rows
+``BLOCK_K`` bytes at a time, widens them to fp32 in registers against the bf16 activations, and
+reduces once at the end; the per-channel scale and the bias are applied in fp32 before the one bf16
+rounding. The 168 layers as one graph: 2.44 ms against Marlin's 3.31 in the same run
 (``benchmarks/results/h200-2026-12-01h/fp8-probe-0.26``).
 
 A gate-up copy made with ``swiglu`` keeps each gate row beside its up row, so its own launch ends
@@ -31,10 +31,10 @@ What it guarantees:
 * Rows do not mix. Rows are a grid dimension, so row ``m`` of an ``M``-row call is computed by
   the same program as a one-row call, bit for bit. More rows read the weight again per row
   (through L2 when their programs run together): it is a one-row kernel, and the batched step's
-  16 rows stay on Marlin (``fp8.Fp8Linears``).
+  16 rows stay on Marlin (``linears.Fp8Linears``).
 
-The copy is the plain ``fp8.quantize_rows`` layout ([N, K] e4m3, one fp32 scale per output
-channel), so it serves tests and ``fp8.dequantize`` as it is. Triton's interpreter
+The copy is the plain ``quant.quantize_rows`` layout ([N, K] e4m3, one fp32 scale per output
+channel), so it serves tests and ``quant.dequantize`` as it is. Triton's interpreter
 (``TRITON_INTERPRET=1`` before Triton is imported) runs the same kernel on CPU tensors: the CPU
 tests check it there. Needs FP8 conversions in hardware (compute capability 8.9: Ada, Hopper);
 older GPUs keep Marlin (``available``).
@@ -46,21 +46,21 @@ import dataclasses
 
 import torch
 
-from . import fp8
-from .compiling import triton_kernel
-from .reasons import Reason
+from ...core.reasons import Reason
+from ...graphs.compiling import triton_kernel
+from . import quant
 
 
 NO_GEMV = Reason("one-row FP8 GEMV unavailable",
                  "a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) with Triton; "
                  "meanwhile vLLM's Marlin reads the FP8 copies at one row too (slower: 3.31 "
-                 "against 2.44 ms for SenseNova-U1's 168 layers on an H200)")
+                 "against 2.44 ms for the 168 layers of the measured decode step on an H200)")
 
 
 def available(device) -> Reason | None:
     """Why the one-row GEMV cannot run on ``device`` (Marlin then serves one row too), or None."""
     device = torch.device(device)
-    if device.type != "cuda" or fp8.FP8_DTYPE is None:
+    if device.type != "cuda" or quant.FP8_DTYPE is None:
         return NO_GEMV.because(f"device is {device}, torch {torch.__version__}")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
@@ -81,22 +81,12 @@ class KernelConfig:
     num_stages: int = 1
 
 
-# SenseNova-U1's decode shapes (N, K) -> the fastest block sizes of a sweep at one row on the
-# H200 (``fp8_gemv.py --gemv-sweep``, benchmarks/results/h200-2026-12-01h/fp8-probe-sweep-0.26,
-# us per layer: best / the shape rule below / byte floor). Fixed here, never re-timed at load.
-MEASURED = {
-    (6144, 4096): KernelConfig(block_n=16, block_k=512, num_warps=8),    # qkv 8.69 / 9.58 / 5.88
-    (4096, 4096): KernelConfig(block_n=8, block_k=1024, num_warps=4),    # o 6.71 / 8.36 / 3.92
-    (24576, 4096): KernelConfig(block_n=32, block_k=512, num_warps=8),   # gate_up 27.62 / 28.03 / 23.52
-    (4096, 12288): KernelConfig(block_n=8, block_k=1024, num_warps=4),   # down 14.87 / 20.73 / 11.76
-}
-
-
-def config_for(n: int, k: int) -> KernelConfig:
-    """The block sizes for an [n, k] weight, from its shape alone: the measured table, else a
-    rule: enough programs to keep every SM streaming (~4 per SM of the H200's 132 at n = 4,096),
-    512-byte rows per step (16 bytes a thread)."""
-    found = MEASURED.get((n, k))
+def config_for(n: int, k: int, table: dict | None = None) -> KernelConfig:
+    """The block sizes for an [n, k] weight, from its shape alone: ``table``'s entry (a hook's
+    measured {(n, k): KernelConfig}, handed down), else a rule: enough programs to keep every SM
+    streaming (~4 per SM of the H200's 132 at n = 4,096), 512-byte rows per step (16 bytes a
+    thread)."""
+    found = table.get((n, k)) if table else None
     if found is not None:
         return found
     block_n = 8 if n <= 8192 else 16
@@ -107,39 +97,40 @@ def config_for(n: int, k: int) -> KernelConfig:
 class Fp8GemvWeight:
     """One linear layer's e4m3 copy for the one-row GEMV. ``__call__(x)``: ``x @ W.T + bias`` for
     ``x`` [..., K] bf16 (any number of rows, each computed as alone), one kernel launch. The same
-    interface as ``fp8.Fp8Weight`` (``stale``, ``refresh``, ``nbytes``)."""
+    interface as ``marlin.Fp8Weight`` (``stale``, ``refresh``, ``nbytes``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: KernelConfig | None = None, *, swiglu: bool = False):
+                 config: KernelConfig | None = None, *, swiglu: bool = False,
+                 table: dict | None = None):
         self.n, self.k = weight.shape
-        self.config = config or config_for(self.n, self.k)
+        self.config = config or config_for(self.n, self.k, table)
         # ``swiglu``: a SwiGLU gate-up layer ([gate; up]) whose copy keeps each gate row beside
         # its up row, so that one launch ends in silu(gate) * up (``swiglu``); the model's order
         # is restored for a plain call. Only where the pairs fill whole blocks.
         self.pairs = (pair_rows(self.n, weight.device)
                       if swiglu and self.n % self.config.block_n == 0
                       and self.config.block_n % 2 == 0 else None)
-        self.w8, self.scale = fp8.quantize_rows(self._ordered(weight.detach()))
+        self.w8, self.scale = quant.quantize_rows(self._ordered(weight.detach()))
         self.bias = None if bias is None else self._ordered(bias.detach()).clone()
-        self._source = fp8.version_of(weight), fp8.version_of(bias)
+        self._source = quant.version_of(weight), quant.version_of(bias)
 
     def _ordered(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.pairs is None else t[self.pairs]
 
     def stale(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether the layer's weight or bias was replaced or written since this copy."""
-        return self._source != (fp8.version_of(weight), fp8.version_of(bias))
+        return self._source != (quant.version_of(weight), quant.version_of(bias))
 
     def refresh(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Quantise ``weight`` again into this copy's own tensors (graphs captured with them
         keep valid addresses)."""
         with torch.no_grad():
-            w8, scale = fp8.quantize_rows(self._ordered(weight.detach()))
+            w8, scale = quant.quantize_rows(self._ordered(weight.detach()))
             self.w8.copy_(w8)
             self.scale.copy_(scale)
             if self.bias is not None and bias is not None:
                 self.bias.copy_(self._ordered(bias))
-        self._source = fp8.version_of(weight), fp8.version_of(bias)
+        self._source = quant.version_of(weight), quant.version_of(bias)
 
     @property
     def nbytes(self) -> int:
@@ -230,7 +221,7 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
         half = x.shape[-1] // 2
         gate, up = x[..., :half].float(), x[..., half:].float()
         x = (gate / (1.0 + torch.exp(-gate)) * up).to(x.dtype)
-    out = x.reshape(-1, x.shape[-1]).float() @ fp8.dequantize(w8, scale).T
+    out = x.reshape(-1, x.shape[-1]).float() @ quant.dequantize(w8, scale).T
     if bias is not None:
         out = out + bias.float()
     out = out.to(x.dtype).reshape(*x.shape[:-1], w8.shape[0])

@@ -2,7 +2,7 @@
 meet in one batched launch.
 
 Why: vLLM-Omni hands a pipeline that declares ``supports_request_batch`` several requests in one
-``forward`` call. SenseNova-U1's ``forward`` is written for one request (its prefill, its think or
+``forward`` call. A pipeline's ``forward`` may be written for one request (its prefill, its think or
 text loop, its denoising, each a Python loop over the model). Rather than restate that code for a
 batch, each request runs the pipeline's own code in a thread of its own (a *member*), and the
 members take turns: exactly one runs at a time, and a member gives its turn away only where it

@@ -1,14 +1,14 @@
 """Which attention kernel runs here, and why none does when none does: the paged single-token
-kernel of SenseNova-U1's decode (``select_kernel``) and the dense one of Qwen-Image-2.1's fast
-cached step (``select_dense_attention``, at the end of this file).
+kernel of a decode (``select_kernel``) and the dense one of a fast cached diffusion step
+(``select_dense_attention``, at the end of this file). The head size is the caller's.
 
-The paged decode path (``paged_decode``) needs an attention kernel that reads K/V through a block
-table and takes the number of valid keys as a *device tensor* (``seqused_k``): that is what lets one
-captured CUDA graph serve every length inside a bucket. vllm ships such a kernel,
+The paged decode path (``decode/paged.py``) needs an attention kernel that reads K/V through a
+block table and takes the number of valid keys as a *device tensor* (``seqused_k``): that is what
+lets one captured CUDA graph serve every length inside a bucket. vllm ships such a kernel,
 ``vllm.vllm_flash_attn.flash_attn_varlen_func``, in two builds: FA2 (sm_80+) and FA3 (Hopper).
 
 Why pass ``fa_version`` explicitly: the function defaults to FA2, and vllm-omni 0.30's own
-SenseNova paged decode calls it without the argument, so it runs FA2 on Hopper. Measured on an
+paged decode calls it without the argument, so it runs FA2 on Hopper. Measured on an
 H200 (docs/performance.md, "How each default was set";
 ``benchmarks/results/h200-2026-11-30b/bench-attn.json``):
 FA3 paged varlen at 32 q heads / 8 KV heads / d 128 costs 9.9-18.2 us per call as a graph replay
@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .reasons import NOT_CUDA, Reason
+from ..core.reasons import NOT_CUDA, Reason
 
 Tensor = torch.Tensor
 
@@ -192,8 +192,8 @@ def select_kernel(device, head_dim: int, fa_version_setting: str = "auto") -> Ke
 def _fa3_schedule() -> Callable | None:
     """FA3's per-step plan as ``Kernel.schedule``, or None where the build lacks it.
 
-    The paged call otherwise runs FA3's scheduler kernel before every layer's attention (42 a
-    token for SenseNova-U1), each planning the same split from the same ``seqused_k``. The plan
+    The paged call otherwise runs FA3's scheduler kernel before every layer's attention (one per
+    layer and token), each planning the same split from the same ``seqused_k``. The plan
     is made with exactly the arguments the call would use itself (batch 1, one query, no
     causal mask, the cache's page size), so the attention output is the same.
     """
@@ -212,11 +212,11 @@ def _fa3_schedule() -> Callable | None:
     return schedule
 
 
-def describe(fa_version_setting: str | None = None, head_dim: int = 128) -> str:
-    """One line for ``doctor``: the kernel SenseNova-U1 decode (head_dim 128) would use on
-    cuda:0 under ``fa_version_setting`` (default: the configured one), or why none."""
+def describe(fa_version_setting: str | None = None, *, head_dim: int) -> str:
+    """One line for ``doctor``: the kernel a paged decode at ``head_dim`` would use on cuda:0
+    under ``fa_version_setting`` (default: the configured one), or why none."""
     if fa_version_setting is None:
-        from . import config
+        from .. import config
 
         fa_version_setting = config.get().fa_version
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -229,9 +229,9 @@ def describe(fa_version_setting: str | None = None, head_dim: int = 128) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Dense (non-paged) attention: Qwen-Image-2.1's fast cached step, target queries over prefix +
-# target keys. Measured on the H200 (``benchmarks/results/``, qwen probe): one call with 4,096
-# queries, 32 heads x 128, bf16: 4,352 keys SDPA 0.85 ms vs FA3 0.46 ms; 12,544 keys 2.37 vs
+# Dense (non-paged) attention: a fast cached diffusion step, target queries over prefix + target
+# keys. Measured on the H200 (``benchmarks/results/``, the dense-attention probe): one call with
+# 4,096 queries, 32 heads x 128, bf16: 4,352 keys SDPA 0.85 ms vs FA3 0.46 ms; 12,544 keys 2.37 vs
 # 1.17 ms, both 3-5e-4 from fp32 attention.
 # --------------------------------------------------------------------------------------------
 
@@ -409,8 +409,9 @@ def select_dense_attention(device, head_dim: int, dtype: torch.dtype, setting: s
     return SdpaAttention(tuple(skipped)) if setting == "auto" else skipped[-1]
 
 
-def describe_dense(setting: str = "auto", head_dim: int = 128) -> str:
-    """One line for ``doctor``: the attention Qwen-Image-2.1's fast step would use on cuda:0."""
+def describe_dense(setting: str = "auto", *, head_dim: int) -> str:
+    """One line for ``doctor``: the dense attention a fast step at ``head_dim`` would use on
+    cuda:0."""
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     found = select_dense_attention(device, head_dim, torch.bfloat16, setting, probe=False)
     if isinstance(found, Reason):

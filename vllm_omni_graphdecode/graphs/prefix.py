@@ -1,24 +1,23 @@
 """Static prefix buffers and one captured cached step per entry, for prefix-KV diffusion models.
 
 Why this exists
-    A prefix-KV diffusion transformer runs its first denoising step over the whole sequence and keeps
-    the prefix's (text, condition images) K/V. Every later step recomputes only the target image's
-    tokens, at a shape fixed for the rest of the request, against prefix K/V that do not change
-    either. That step is one fixed kernel sequence whose inputs change only in value, so a CUDA graph
-    can replay it without the Python and launch cost of ~a dozen kernels per layer. Qwen-Image-2.1's
-    cached steps (``hooks/qwen_image_21``) and SenseNova-U1's denoising branches
-    (``hooks/sensenova_u1/denoise.py``) use it; this file knows nothing about either.
+    A prefix-KV diffusion transformer runs its first denoising step over the whole sequence and
+    keeps the prefix's (text, condition images) K/V. Every later step recomputes only the target
+    image's tokens, at a shape fixed for the rest of the request, against prefix K/V that do not
+    change either. That step is one fixed kernel sequence whose inputs change only in value, so a
+    CUDA graph can replay it without the Python and launch cost of ~a dozen kernels per layer.
+    The hooks' cached diffusion steps and denoising branches use it; this file knows no model.
 
 Numbers
     What a replay saves is the launch gaps of an eager step: much where the step is host-bound
     (small images), little where it is kernel-bound; the step body the hook hands in decides the
-    rest (``hooks/qwen_image_21``: exact or fast). Measured figures: ``docs/performance.md``.
+    rest (an exact or a fast body). Measured figures: ``docs/performance.md``.
 
     Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
-    bytes (Qwen-Image-2.1 bf16, batch 1: prefix 256 -> 134 MB; two-reference edit, prefix 8,448 ->
-    4.4 GB), plus the graph's share of the global graph pool. While an entry is live the request's
-    cache is re-pointed at these buffers, so that costs nothing extra; a free entry keeps them until
-    it is reused or evicted (at most ``max_entries`` entries in all).
+    bytes (32 layers of 32 heads x 128, bf16, batch 1: prefix 256 -> 134 MB; a two-reference
+    edit, prefix 8,448 -> 4.4 GB), plus the graph's share of the global graph pool. While an entry
+    is live the request's cache is re-pointed at these buffers, so that costs nothing extra; a free
+    entry keeps them until it is reused or evicted (at most ``max_entries`` entries in all).
 
 Workflow (``PrefixGraphs``)
     1. ``bind(owner, key, prefix, request, step)``: the owner (the request's own KV-cache object,
@@ -26,7 +25,7 @@ Workflow (``PrefixGraphs``)
        new one while fewer than ``max_entries`` exist (else the least recently used free one is
        evicted). The prefix K/V and per-request tensors are copied in once.
     2. ``run(entry, step)``: the per-step tensors are copied in; on the entry's first run the step
-       is captured (``cuda_graphs.capture``: warm-ups, then the capture into vLLM's global graph
+       is captured (``capture.capture``: warm-ups, then the capture into vLLM's global graph
        pool); the graph replays and a clone of its output is returned. In verify mode a new
        graph's first replay is checked against the caller's eager step; a mismatch makes that
        shape eager for the process.
@@ -39,12 +38,12 @@ Threads
     Replays take no lock: ``run`` reads the entry's buffers and graph once, into locals, and a
     release (sleep) at any moment only clears the entry's fields; a step that finds them cleared
     before its replay returns None (``RELEASED``) and the caller runs its eager step. Captures are
-    serialised by ``cuda_graphs.capture`` (the process's one capture lock); this object's lock
+    serialised by ``capture.capture`` (the process's one capture lock); this object's lock
     guards only its bookkeeping (binding, pooling, eviction), never a capture or a replay.
 
 Request safety
-    The first upstream version kept one entry per key and re-pointed every caller's cache at it, so a
-    second in-flight request with the same key overwrote the first one's prefix. Here an entry
+    The first upstream version kept one entry per key and re-pointed every caller's cache at it, so
+    a second in-flight request with the same key overwrote the first one's prefix. Here an entry
     belongs to one owner for as long as that object lives; only then (or on ``release``) does it
     return to the pool for the next request with the same key. Each branch of a request (cond, and
     uncond under true CFG) has its own cache object, so it has its own prefix buffers and its own
@@ -65,8 +64,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import cuda_graphs, stats
-from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from ..core import stats
+from ..core.reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from . import capture as graph_capture
 
 Tensor = torch.Tensor
 
@@ -421,14 +421,14 @@ class PrefixGraphs:
             out = self._verify(entry, out, eager() if eager is not None else warm)
         return out
 
-    def _capture(self, entry: Entry, bufs: StaticBuffers) -> cuda_graphs.Captured | None:
+    def _capture(self, entry: Entry, bufs: StaticBuffers) -> graph_capture.Captured | None:
         """Capture the step over ``bufs`` (serialised with every other capture of the process by
-        ``cuda_graphs.capture``) and publish it on ``entry`` unless the entry was released
+        ``capture.capture``) and publish it on ``entry`` unless the entry was released
         meanwhile; None when it failed (reason counted)."""
         try:
-            captured = cuda_graphs.capture(lambda: self.step_fn(bufs),
-                                           torch.device(entry.key.device))
-        except cuda_graphs.CaptureFailed as exc:
+            captured = graph_capture.capture(lambda: self.step_fn(bufs),
+                                             torch.device(entry.key.device))
+        except graph_capture.CaptureFailed as exc:
             with self._lock:
                 if exc.oom:
                     self._evict_free()
@@ -444,16 +444,17 @@ class PrefixGraphs:
         return captured
 
     def _verify(self, entry: Entry, out: Tensor, reference: Tensor) -> Tensor:
-        result = cuda_graphs.compare(out, reference, cuda_graphs.VERIFY_RTOL)
+        result = graph_capture.compare(out, reference, graph_capture.VERIFY_RTOL)
         if result.ok:
-            stats.count(self.model, cuda_graphs.VERIFIED)
+            stats.count(self.model, graph_capture.VERIFIED)
             if not result.exact:
                 stats.logger.info("graphdecode: %s graph replay within tolerance of the eager "
                                   "step (max abs diff %.3g) for %s", self.model,
                                   result.max_abs_diff, entry.key)
             return out
-        # Disable every graph of this shape; this step returns the eager result it was checked against.
-        stats.count(self.model, cuda_graphs.VERIFY_MISMATCH)
+        # Disable every graph of this shape; this step returns the eager result it was checked
+        # against.
+        stats.count(self.model, graph_capture.VERIFY_MISMATCH)
         with self._lock:
             entry.graph = entry.output = None
             self._mark_eager(entry.key, entry.sig,

@@ -1,12 +1,12 @@
-"""One model's paged decode in two tiers of buffers: what ``ar_session`` serves requests from.
+"""One model's paged decode in two tiers of buffers: what ``session.py`` serves requests from.
 
 The *pinned* tier is the first allocation (the pre-capture buckets, or the first request's) and
 is never reallocated, so its graphs survive a longer request; a request that outgrows it moves,
 tokens and all, to the *overflow* tier, which grows in the bucket schedule and drops only its own
 graphs when it does. Under memory pressure the pinned tier gives way (one tier, as before).
 
-Model-agnostic: a hook supplies a ``StepModel``. Split from ``ar_session`` (issue #21: modules
-under 500 lines); ``ar_session`` re-exports ``PagedDecoder`` and ``StepModel``.
+Model-agnostic: a hook supplies a ``StepModel``. ``session.py`` re-exports ``PagedDecoder`` and
+``StepModel``, beside the sessions that serve requests from them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from .cuda_graphs import is_oom
-from .paged_decode import DecodeGraphRunner, PagedKVCache
+from ..graphs.capture import is_oom
+from .paged import DecodeGraphRunner, PagedKVCache
 from .token_loop import Lookahead, Sampling, TokenProgram
 
 # Sampling temperatures whose multi-token programs (and graphs) a tier keeps at once.

@@ -1,8 +1,8 @@
-"""The real model classes at any size, with random weights: for the demo, the tests and the
+"""SenseNova-U1's real classes at any size, with random weights: for the demo, the tests and the
 benchmarks. Nothing is downloaded.
 
-SenseNova-U1: vllm-omni's own ``SenseNovaU1ForCausalLM`` and ``SenseNovaU1Pipeline`` think/text
-loops, with a tokenizer built locally. Nothing this plugin patches is replaced by a stand-in.
+vllm-omni's own ``SenseNovaU1ForCausalLM`` and ``SenseNovaU1Pipeline`` think/text loops, with a
+tokenizer built locally. Nothing this plugin patches is replaced by a stand-in.
 
 On CPU the model needs four adjustments, none of which touches the code the plugin patches:
 a world-size-1 vllm process group (gloo), an SDPA diffusion attention backend for the CPU
@@ -16,13 +16,16 @@ The pipeline object is made with ``object.__new__`` and ``nn.Module.__init__``: 
 Works for vllm-omni 0.28 (run from a subprocess with its tree first on ``sys.path``) and 0.30 on
 CPU, and for 0.26/0.30 on a CUDA host (``device="cuda"``, where the real CUDA platform is used).
 
-Qwen-Image-2.1: diffusers' ``QwenImage21Transformer2DModel`` at any config (the default is the
-released shape) and request inputs laid out as ``QwenImage21Pipeline`` lays them out.
+The whole pipeline at the tiny checkpoint's size, and image requests through it
+(``load_sensenova_pipeline``, ``generate_image``, ``interleaved``): the scaffolding of the
+denoising and batching tests. What is not SenseNova's (the LoRA adapter binding, ``ObservedLock``)
+is in ``common.py``; Qwen-Image-2.1's builders are in ``qwen.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from types import SimpleNamespace
@@ -287,12 +290,6 @@ def record_ar_steps(pipe) -> list:
     return seen
 
 
-def omni_version() -> str:
-    import vllm_omni
-
-    return vllm_omni.__version__
-
-
 def add_lora_wrappers(lm, rank=8):
     """Wrap every layer's ``o_proj`` the way vllm-omni's diffusion LoRA manager does
     (``from_layer_diffusion``), with no adapter bound yet. Returns the wrappers."""
@@ -315,23 +312,6 @@ def add_lora_wrappers(lm, rank=8):
         attn.o_proj = wrapper
         wrappers.append(wrapper)
     return wrappers
-
-
-def bind_adapter(wrappers, seed=5, scale=0.5):
-    """Bind a random rank-r adapter in slot 0 of every wrapper (what activating an adapter does)."""
-    gen = torch.Generator().manual_seed(seed)
-    for w in wrappers:
-        a = w.lora_a_stacked[0]
-        b = w.lora_b_stacked[0]
-        rank, n_in, n_out = a.shape[2], a.shape[3], b.shape[2]
-        lora_a = (torch.randn(rank, n_in, generator=gen) * scale).to(a.dtype).to(a.device)
-        lora_b = (torch.randn(n_out, rank, generator=gen) * scale).to(b.dtype).to(b.device)
-        w.set_lora(0, lora_a, lora_b)
-
-
-def unbind_adapter(wrappers):
-    for w in wrappers:
-        w.reset_lora(0)
 
 
 def random_prefix(lm, length: int, *, seed: int = 0):
@@ -379,94 +359,180 @@ def flashinfer_status() -> str:
             f"importable, but the plugin's paged decode calls FlashAttention only; {kernel_level}")
 
 
-# -- Qwen-Image-2.1 (diffusers) ---------------------------------------------------------------
+# -- the whole pipeline (image generation included) -------------------------------------------
 
-def random_transformer(*, device="cuda", dtype=torch.bfloat16, **config_overrides):
-    """A ``QwenImage21Transformer2DModel`` with diffusers' random initialisation, built directly on
-    ``device``. The default config is the released model's shape (32 layers, 32 heads x 128, hidden
-    4096, SwiGLU 12288, in_channels 64): ~7 B parameters, built in fp32 then cast (peak ~42 GB)."""
-    from diffusers.models.transformers.transformer_qwenimage21 import (
-        QwenImage21Transformer2DModel,
-    )
-
-    with torch.device(device):
-        model = QwenImage21Transformer2DModel(**config_overrides)
-    return model.to(dtype=dtype).eval()
+TINY_CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples", "make_tiny_checkpoints.py")
 
 
-def synthetic_inputs(transformer, *, batch: int = 1, text_tokens: int = 256,
-                     reference_shapes: tuple[tuple[int, int], ...] = (),
-                     target_shape: tuple[int, int] = (64, 64), seed: int = 0) -> dict:
-    """Transformer keyword arguments for one request, laid out as the pipeline lays them out.
+def write_tiny_checkpoints(out: str) -> str:
+    """Run ``examples/make_tiny_checkpoints.py`` into ``out`` (it lives in the repository, not in
+    the installed package: FileNotFoundError elsewhere); returns ``out``."""
+    import importlib.util
 
-    ``text_tokens`` text positions, then each reference image's ``(h, w)`` latent grid as image
-    slots inside the prompt, then the target's slots; 1024x1024 is ``target_shape=(64, 64)`` (4,096
-    tokens). Prefix length = ``text_tokens + sum(h * w)``. Random values; ``kv_cache`` not included.
-    """
-    cfg = transformer.config
-    param = next(transformer.parameters())
-    device, dtype = param.device, param.dtype
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    th, tw = target_shape
-    if th % 2 or tw % 2 or any(h % 2 or w % 2 for h, w in reference_shapes):
-        raise ValueError("latent grids must have even sides (one slot per 2x2 latent tokens)")
-    head = text_tokens // 2
-    mask = [False] * head
-    for h, w in reference_shapes:
-        mask += [True] * (h * w // 4)
-    mask += [False] * (text_tokens - head)
-    n_context = len(mask)
-    mask += [True] * (th * tw // 4)
-    image_tokens = sum(h * w for h, w in reference_shapes) + th * tw
-    img_mask = torch.tensor(mask, dtype=torch.bool).expand(batch, -1).to(device)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    return dict(
-        hidden_states=rand(batch, image_tokens, cfg.in_channels),
-        encoder_hidden_states=rand(batch, n_context, cfg.context_in_dim),
-        timestep=torch.full((batch,), 0.5, dtype=dtype, device=device),
-        img_shapes=[[(1, h, w) for h, w in reference_shapes] + [(1, th, tw)]] * batch,
-        img_mask=img_mask,
-    )
+    if not os.path.exists(TINY_CHECKPOINTS):
+        raise FileNotFoundError(TINY_CHECKPOINTS)
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoints", TINY_CHECKPOINTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.main([str(out)]) != 0:
+        raise RuntimeError(f"{TINY_CHECKPOINTS} {out} failed")
+    return str(out)
 
 
-# ---------------------------------------------------------------------------------------------
-# SenseNova-U1, the whole pipeline (image generation included)
-# ---------------------------------------------------------------------------------------------
+def load_sensenova_pipeline(checkpoint: str, *, device: str = "cpu", dtype=torch.float32):
+    """vllm-omni's ``SenseNovaU1Pipeline`` built by its own ``__init__`` from ``checkpoint`` (a
+    directory ``examples/make_tiny_checkpoints.py`` writes) and loaded as vLLM-Omni's loader
+    does: every module real, the image heads and the generation pathway included."""
+    setup_runtime(device)
+    from vllm.config import LoadConfig
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-class ObservedLock:
-    """A lock that says when someone blocks on it: ``waiting`` is set by the first acquire that
-    has to wait (tests synchronise on it instead of on time)."""
-
-    def __init__(self, lock=None):
-        self._lock = lock if lock is not None else threading.Lock()
-        self.waiting = threading.Event()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self._lock.acquire(blocking=False):
-            return True
-        if not blocking:
-            return False
-        self.waiting.set()
-        return self._lock.acquire(timeout=timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def locked(self) -> bool:
-        return self._lock.locked()
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    od_config = OmniDiffusionConfig(model=checkpoint, dtype=dtype)
+    with set_default_torch_dtype(dtype):  # as the loader builds it
+        pipe = pipeline_module().SenseNovaU1Pipeline(od_config=od_config)
+    loader = DiffusersPipelineLoader(LoadConfig(), od_config)
+    pipe.load_weights(loader._get_weights_iterator(pipe.weights_sources[0]))
+    # What the loader's load_model does next: each linear layer's quant method finishes its
+    # weights (on vllm's CPU platform the unquantized method builds its ``cpu_linear`` here).
+    with _no_packed_cpu_gemm(device):
+        loader._process_weights_after_loading(pipe, torch.device(device))
+    return pipe.to(device).eval()
 
 
-# The pipeline-level helpers live in sensenova_images; the tests reach them through this module.
-from .sensenova_images import (  # noqa: E402, F401
-    TINY_CHECKPOINTS, _no_packed_cpu_gemm, generate_image, image_request, interleaved,
-    load_sensenova_pipeline, reference_images, write_tiny_checkpoints)
+@contextlib.contextmanager
+def _no_packed_cpu_gemm(device: str):
+    """On vllm's CPU platform without its compiled ``_C`` ops (the test venv), bf16 linear
+    layers would be packed for sgl-kernel's GEMM, which lives in ``_C``: route them to the
+    dispatcher's next choice instead. Nothing this plugin patches is involved."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    check = getattr(layer_utils, "check_cpu_sgl_kernel", None)
+    if device != "cpu" or check is None or hasattr(torch.ops._C, "convert_weight_packed"):
+        yield
+        return
+    layer_utils.check_cpu_sgl_kernel = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        layer_utils.check_cpu_sgl_kernel = check
+
+
+def image_request(prompt: str = "a red cube on a table", **overrides) -> SimpleNamespace:
+    """The parsed request ``SenseNovaU1Pipeline._forward_t2i`` / ``_forward_it2i`` take, with
+    ``_parse_request``'s fields and defaults (CFG 4, 3 steps, 64x64 here)."""
+    values = dict(first_prompt=prompt, prompt=prompt, extra_args={}, image_size=(64, 64),
+                  num_steps=3, cfg_scale=4.0, img_cfg_scale=1.0, cfg_norm="none",
+                  timestep_shift=3.0, cfg_interval=(0.0, 1.0), batch_size=1, seed=0,
+                  think_mode=False, t_eps=0.02)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def reference_images(n: int = 2, size: int = 48, seed: int = 3) -> list:
+    """``n`` random RGB PIL images (edit requests' reference images)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size + 16 * i, 3), dtype=np.uint8))
+            for i in range(n)]
+
+
+def _image(pipe, request, references: int = 0):
+    import numpy as np
+
+    with torch.inference_mode():
+        if references:
+            result = pipe._forward_it2i(request, reference_images(references))
+        else:
+            result = pipe._forward_t2i(request)
+    return np.asarray(result.output["payload"]["image"])
+
+
+def generate_image(pipe, request, references: int = 0):
+    """One image request through the pipeline's own entry (``_forward_t2i``, or ``_forward_it2i``
+    with ``references`` random reference images). Returns (the image as a uint8 array, every
+    denoising branch step's result in call order, the branch cache of each call)."""
+    outs, caches = [], []
+    inner = pipe.__dict__.get("_t2i_predict_v")
+    step = inner or pipe._t2i_predict_v
+
+    def recorded(*args, **kwargs):
+        out = step(*args, **kwargs)
+        outs.append(out.clone())
+        caches.append(kwargs.get("past_key_values"))
+        return out
+
+    pipe._t2i_predict_v = recorded
+    try:
+        image = _image(pipe, request, references)
+    finally:
+        _restore(pipe, inner)
+    return image, outs, caches
+
+
+def _restore(pipe, inner) -> None:
+    if inner is None:
+        del pipe._t2i_predict_v
+    else:
+        pipe._t2i_predict_v = inner
+
+
+def interleaved(pipe, requests, *, on_step=None, timeout: float = 300.0) -> list:
+    """Run ``requests`` (text-to-image) on ``pipe`` from one thread each, taking turns at every
+    denoising branch step (request 0's step, request 1's, ...): requests in flight at once, as a
+    server holds them. ``on_step()`` runs after each step, under the turn lock. Returns, per
+    request, (image, branch step results) as ``generate_image`` does."""
+    inner = pipe.__dict__.get("_t2i_predict_v")
+    step = inner or pipe._t2i_predict_v
+    n = len(requests)
+    turn = threading.Condition()
+    state = {"turn": 0}
+    done = [False] * n
+    names: dict[int, int] = {}
+    outs: dict[int, list] = {i: [] for i in range(n)}
+    images: dict[int, object] = {}
+
+    def pass_turn(me):
+        nxt = (me + 1) % n
+        while done[nxt] and nxt != me:
+            nxt = (nxt + 1) % n
+        state["turn"] = nxt
+
+    def taking_turns(*args, **kwargs):
+        me = names[threading.get_ident()]
+        with turn:
+            if not turn.wait_for(lambda: state["turn"] == me, timeout=timeout):
+                raise TimeoutError(f"request {me} never got its turn")
+            out = step(*args, **kwargs)
+            outs[me].append(out.clone())
+            if on_step is not None:
+                on_step()
+            pass_turn(me)
+            turn.notify_all()
+        return out
+
+    def worker(i):
+        names[threading.get_ident()] = i
+        try:
+            images[i] = _image(pipe, requests[i])
+        finally:
+            with turn:
+                done[i] = True
+                if state["turn"] == i:
+                    pass_turn(i)
+                turn.notify_all()
+
+    pipe._t2i_predict_v = taking_turns
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        _restore(pipe, inner)
+    return [(images.get(i), outs[i]) for i in range(n)]

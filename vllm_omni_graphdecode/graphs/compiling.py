@@ -1,5 +1,5 @@
-"""torch.compile pieces shared by the fast step bodies (Qwen-Image-2.1's cached step,
-SenseNova-U1's denoising step): whether Inductor can build for a device, the backend object that
+"""torch.compile pieces shared by the hooks' fast step bodies (a cached diffusion step, a denoising
+step): whether Inductor can build for a device, the backend object that
 counts what it compiles, the error a failed compile becomes, a stride fix Dynamo needs, and
 ``Regions``: a body's plain functions and their compiled versions, made once per process.
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from .reasons import Reason
+from ..core.reasons import Reason
 
 Tensor = torch.Tensor
 

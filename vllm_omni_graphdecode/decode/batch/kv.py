@@ -1,9 +1,9 @@
 """Paged K/V shared by several sequences decoding together, and their batch-invariant attention.
 
 Why: a batch-1 decode step reads every weight of the model for one token; ``rows`` sequences
-decoding in one step read them once for ``rows`` tokens (``batch_decode``). This module is the
-cache those rows share: one pool of blocks per layer, a block table row and a ``seqused`` entry
-per sequence, and the attention that reads it.
+decoding in one step read them once for ``rows`` tokens (``decode/batch/decoder.py``). This module
+is the cache those rows share: one pool of blocks per layer, a block table row and a ``seqused``
+entry per sequence, and the attention that reads it.
 
 Batch invariance. A request's tokens must not depend on what decodes beside it, so every kernel of
 the batched step must reduce each row in an order that depends on that row alone. The step always
@@ -35,8 +35,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import kernels, stats
-from .reasons import Reason
+from ...core import stats
+from ...core.reasons import Reason
+from ...ops import attention as attention_ops
 
 logger = stats.logger
 
@@ -85,7 +86,7 @@ class Scratch:
 
 
 def _reference(q, k_cache, v_cache, table, seqused, scale, scratch):
-    return kernels.reference_paged_attention(
+    return attention_ops.reference_paged_attention(
         q, k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=None,
         max_seqlen_k=table.shape[1] * BLOCK_SIZE, seqused_k=seqused, block_table=table,
         softmax_scale=scale)
@@ -98,7 +99,7 @@ def select_attention(device) -> BatchAttention | Reason:
     """vLLM's Triton decode attention on ``device``, or why not."""
     device = torch.device(device)
     if device.type != "cuda":
-        return kernels.NOT_CUDA.because(f"device is {device}")
+        return attention_ops.NOT_CUDA.because(f"device is {device}")
     fn = None
     errors = []
     for name in _KERNEL_MODULES:

@@ -155,7 +155,7 @@ def _quiet(module) -> bool:
     straight from the instance dict (what the hooks set there) and the class (``_quiet_class``).
     The walk runs at every request. Through ``getattr``, each attribute a module lacks went
     through ``nn.Module.__getattr__``, which raises and catches an AttributeError: 8.1 ms a walk
-    of SenseNova-U1's language model on a CI CPU, 9.6 on the H200's host; 1.2 and 1.3 with this."""
+    of a 42-layer vllm language model on a CI CPU, 9.6 on the H200's host; 1.2 and 1.3 with this."""
     d = module.__dict__
     return (d.get("_hf_hook") is None and d.get("_diffusers_hook") is None
             and d.get("_hook_registry") is None and d.get("_compiled_call_impl") is None

@@ -1,8 +1,8 @@
 """Capturing a CUDA graph, for both of this plugin's paths: one pool, one warm-up stream, one
 capture routine with recovery, one verify comparison.
 
-``capture(fn, device)`` is the only place a graph is recorded (``paged_decode`` and
-``prefix_graph`` both call it). Its workflow:
+``capture(fn, device)`` is the only place a graph is recorded (``decode/paged.py`` and
+``graphs/prefix.py`` both call it). Its workflow:
 
 1. Warm up ``WARMUPS`` times on the device's one warm-up stream (lazy initialisation: cuBLAS
    handles and workspaces, Triton autotuning, torch.compile's first compile, first-call
@@ -13,8 +13,8 @@ capture routine with recovery, one verify comparison.
    another thread's CUDA work (a second request running eagerly on the same model, another
    model's step) neither joins the capture nor invalidates it. torch's default, ``"global"``,
    made such a thread fail with "operation not permitted when stream is capturing" and the
-   capture with it (seen on the H200: a second SenseNova-U1 request decoding eagerly while the
-   first captured).
+   capture with it (seen on the H200: a second request of the same model decoding eagerly while
+   the first captured).
 3. Give the device's random generator back the state it had before the warm-ups (a sampling
    step draws in them; the capture itself draws nothing). What another thread drew from it
    during the capture is drawn again after it: the paged path decodes one request at a time, so
@@ -271,14 +271,13 @@ def _restore_rng(state, device) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
-# Verify mode, for both runners (``paged_decode``, ``prefix_graph``): a new graph's first replay
-# is compared with the eager step; a difference beyond this fraction of the eager output's largest
-# magnitude (at least 1) disables the graph. Graph and eager run the same kernels, so honest
+# Verify mode, for both runners (``decode/paged.py``, ``graphs/prefix.py``): a new graph's first
+# replay is compared with the eager step; a difference beyond this fraction of the eager output's
+# largest magnitude (at least 1) disables the graph. Graph and eager run the same kernels, so honest
 # differences are rounding: cuBLAS may pick another algorithm under capture, and a decode logit
 # sums thousands of such products (the H200 measured up to 6 bf16 ulps, 3.2% of the largest
-# magnitude, between a Qwen-Image-2.1 static step outside a capture and its replay:
-# tests/test_qwen_image_21_gpu.py). A stale address or a Python value baked into the capture is
-# off by O(1).
+# magnitude, between a diffusion transformer's static step outside a capture and its replay, in
+# a hook's GPU test). A stale address or a Python value baked into the capture is off by O(1).
 VERIFY_RTOL = 0.05
 # The stats counters verify mode adds under the model's key, in both runners.
 VERIFIED = "verified"  # a first replay within VERIFY_RTOL (logged at INFO when not bit-equal)

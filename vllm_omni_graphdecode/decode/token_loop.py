@@ -1,9 +1,10 @@
 """Decode with the next token chosen on the device: several tokens per graph launch.
 
 Why: with one graph per token, the host still waits for every token (the loop's argmax and
-``.item()``), and the GPU idles while it does: 0.43 ms of a 6.5 ms SenseNova-U1 token on the H200
-(README, Performance). Here one graph records ``k`` decode steps, each feeding the argmax of its
-logits to the next step on the device, and the host reads the ``k`` tokens once per launch.
+``.item()``), and the GPU idles while it does: 0.43 ms of a 6.5 ms token of the measured decode
+on the H200 (docs/performance.md). Here one graph records ``k`` decode steps, each feeding the
+argmax of its logits to the next step on the device, and the host reads the ``k`` tokens once per
+launch.
 
 The pipeline's own loop keeps running unchanged above this: it still calls ``_ar_step`` once per
 token and still decides when to stop. ``Lookahead.next`` serves each call from the tokens already
@@ -25,7 +26,7 @@ distribution by the same algorithm (an exponential draw per vocabulary entry, th
 p / q). The draws come from the device's default generator in token order, one launch after
 another; inside a graph each replay advances the generator's offset by what its steps draw, as
 the eager calls would. What is not the loop's: tokens decoded past a stop draw too (the next
-request's draws start later), and a capture's warm-ups draw nothing (``cuda_graphs.capture``
+request's draws start later), and a capture's warm-ups draw nothing (``capture.capture``
 restores the generator), so a seeded request decodes the same tokens whether or not it captured.
 On CPU (tests) the draws come from the CPU generator in the loop's own order, so a seeded sampled
 request decodes the eager loop's tokens.
@@ -38,8 +39,8 @@ import math
 
 import torch
 
-from . import stats
-from .paged_decode import DecodeGraphRunner, PagedKVCache, bucket_for
+from ..core import stats
+from .paged import DecodeGraphRunner, PagedKVCache, bucket_for
 
 
 def pick(logits: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,7 @@ class _Launch:
 class Lookahead:
     """Serves one request's loop from multi-token launches (see the module docstring).
 
-    ``decoder`` is the ``paged_tiers.PagedDecoder`` (its current tier, ``room`` and ``step``);
+    ``decoder`` is the ``tiers.PagedDecoder`` (its current tier, ``room`` and ``step``);
     ``stops``: token ids after which the loop feeds nothing more (its end tokens; a token it
     feeds and then stops on, like ``</think>``, belongs here too); ``limit``: the most tokens the
     loop feeds, or None; ``sampling``: how the loop draws its tokens, or None (argmax).

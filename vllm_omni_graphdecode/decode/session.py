@@ -4,7 +4,7 @@ Model-agnostic. A model hook supplies a ``StepModel`` (its static inputs and one
 a ``PagedKVCache``) and a gate (why a request may not take this path); this module does the rest
 of what every autoregressive model would repeat:
 
-- ``PagedDecoder`` (``paged_tiers``): the paged buffers and their graphs for one model, in a
+- ``PagedDecoder`` (``decode/tiers.py``): the paged buffers and their graphs for one model, in a
   pinned and an overflow tier.
 - ``ARSessions``: the per-pipeline gate and the life of each request's session:
   ``open`` (the gate, then the pipeline's lock: one sequence decodes on the paged path at a
@@ -22,7 +22,7 @@ of what every autoregressive model would repeat:
   same step eagerly (the same kernels on the same buffers), for this request and the next ones,
   until a release lets capture try again.
 
-Counted under the model's key: ``paged_request``, ``lora_request``, and from ``paged_decode``
+Counted under the model's key: ``paged_request``, ``lora_request``, and from ``decode/paged.py``
 ``capture``, ``replay``, ``paged_eager_step``, ``verified`` / ``verify_mismatch``; fallbacks by
 reason (``BUSY``, ``OOM``, ``CAPTURE_FAILED``, ``CACHE_SHAPE``, ``RELEASED``, and the hook's own).
 """
@@ -35,10 +35,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import stats
-from .cuda_graphs import CaptureFailed, is_oom
-from .paged_tiers import PagedDecoder, StepModel
-from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from ..core import stats
+from ..core.reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from ..graphs.capture import CaptureFailed, is_oom
+from .tiers import PagedDecoder, StepModel
 from .token_loop import Lookahead, Sampling
 
 __all__ = ["ARSessions", "BUSY", "CACHE_SHAPE", "CAPTURE_FAILED", "OOM", "PagedDecoder",

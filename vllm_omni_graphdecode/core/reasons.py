@@ -70,7 +70,8 @@ PARALLEL = Reason("parallel execution (tensor, sequence, ring or CFG parallel, o
                   "size 1, no HSDP/FSDP sharding (the detail names what is set)")
 LORA = Reason("dynamic LoRA wrappers in the model (peft / vLLM LoRA layers)",
               "merge the LoRA into the weights (diffusers: fuse_lora, then unload_lora_weights; "
-              "vllm-omni's SenseNova-U1 load_lora_weights merges) or serve without it")
+              "a vllm-omni pipeline whose load_lora_weights merges needs nothing more) or serve "
+              "without it")
 QUANT_KV = Reason("quantized K/V cache: the cache does not hold plain tensors in the model's dtype",
                   "keep the K/V cache unquantized (unset diffusion_kv_cache_dtype)")
 OFFLOAD = Reason("offload on the model (CPU, layerwise, sequential or group offload)",
@@ -80,15 +81,15 @@ HOOKS = Reason("forward hooks on the model (accelerate, diffusers, vllm-omni, to
                "remove forward hooks from the model (cache backends, profilers): a hook runs once "
                "during capture and never at replay")
 COMPILED = Reason("torch.compile'd model or blocks",
-                  "serve without compiling the model (--enforce-eager, or "
-                  "diffusion_compile_granularity=regional for SenseNova-U1); Qwen-Image-2.1's "
-                  "fast mode compiles its own step and accepts regionally compiled blocks")
+                  "serve without compiling the model (--enforce-eager), or compile it by regions "
+                  "(diffusion_compile_granularity=regional): a decode path takes regionally "
+                  "compiled blocks, and so does a fast step mode, which compiles its own step")
 STRUCTURE = Reason("the model's layers differ from what the fast step body restates",
-                   "use the exact mode (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact, "
-                   "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph); the detail names the layer")
+                   "use the model's exact step (its fast-step variable in docs/configuration.md, "
+                   "set to the exact value); the detail names the layer")
 FAST_NOT_HERE = Reason("fast step not applicable; the exact step runs instead",
-                       "see the detail; the exact mode (VLLM_OMNI_GRAPHDECODE_QWEN_MODE=exact, "
-                       "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE=graph) silences this. A fast "
+                       "see the detail; the model's exact step (its fast-step variable in "
+                       "docs/configuration.md, set to the exact value) silences this. A fast "
                        "body that failed to build or compile is tried again after sleep level 2 "
                        "(release_captured_graphs) or a change to the model")
 # Counted as a degraded path, not a fallback: no step runs eagerly for it. The graphs that read

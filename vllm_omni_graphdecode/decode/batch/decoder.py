@@ -1,6 +1,6 @@
 """Several sequences decoding together: one captured launch decodes ``k`` tokens for every row.
 
-Why: a SenseNova-U1 decode token at batch 1 reads all ~17.5 GB of the understanding weights; on
+Why: a decode token at batch 1 reads all of the language model's weights (~17.5 GB measured); on
 the H200 the step's linear layers at 16 rows cost 1.03x one row (FACTS 5c: 4.56 against 4.42 ms
 for the 42 layers' GEMMs, one graph per row count). So requests that decode at the same time
 should decode in one step. vLLM-Omni hands a pipeline several requests in one ``forward``
@@ -11,7 +11,7 @@ How:
 - The step always runs ``rows`` rows (``BatchKV``): idle rows decode a dummy token over one
   scratch key. One row count means one shape for every kernel, so no library kernel picks another
   algorithm for another batch, and rows never mix outside attention, which is batch-invariant by
-  construction (``batch_kv``). A request's tokens are therefore the same whether it decodes alone
+  construction (``kv.py``). A request's tokens are therefore the same whether it decodes alone
   or beside fifteen others, in whichever row.
 - ``BatchProgram``: ``k`` steps of all rows as one function a graph records (one graph per
   program and pool generation: the attention takes no maximum length, so one graph serves every
@@ -45,69 +45,21 @@ graphs), their detail saying "batched decode".
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Callable, Protocol
 
 import torch
 
-from . import cuda_graphs, stats, turns
-from .batch_kv import BatchKV, blocks_for
-from .cuda_graphs import CaptureFailed, is_oom
-from .reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from ...core import stats
+from ...core.reasons import CAPTURE_FAILED, OOM, RELEASED, Reason
+from ...graphs import capture as cuda_graphs
+from ...graphs.capture import CaptureFailed, is_oom
+from ..sampling import RowSampling, choose
+from . import turns
+from .kv import BatchKV, blocks_for
 
 logger = stats.logger
-
-# Multipliers of the counter-based hash (splitmix64's); int64 arithmetic wraps in torch.
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
-_LOW31 = (1 << 31) - 1
-
-
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def uniform(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(rows, vocab) float32 in (0, 1): a hash of (seed, position, vocabulary index) per entry.
-
-    ``seed``/``position`` (rows,) int64. splitmix64's finaliser over a key mixing the three; 24
-    bits become the uniform. Deterministic on every device and independent of the batch.
-    """
-    key = (seed * _GOLDEN + position)[:, None] * _GOLDEN
-    key = key + torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
-    key = (key ^ _shr(key, 30)) * _MIX1
-    key = (key ^ _shr(key, 27)) * _MIX2
-    key = key ^ _shr(key, 31)
-    bits = _shr(key, 40).to(torch.float32)  # the top 24 bits
-    return (bits + 0.5) * (1.0 / (1 << 24))
-
-
-def choose(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-           position: torch.Tensor, sampled: bool) -> torch.Tensor:
-    """(rows,) long: each row's next token. ``temperature`` (rows,) float32, 0 for the argmax
-    (the loops' greedy pick, first maximum on ties); > 0: argmax of ``logits / t + Gumbel``, a
-    draw from ``softmax(logits / t)``. ``sampled`` False: every row takes the argmax."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    greedy = torch.argmax(logits, dim=-1)
-    if not sampled:
-        return greedy
-    u = uniform(seed, position, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
-    t = temperature.clamp(min=1e-6)[:, None]
-    drawn = torch.argmax(logits.float() / t + gumbel, dim=-1)
-    return torch.where(temperature > 0, drawn, greedy)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowSampling:
-    """How a row's loop picks: ``temperature`` 0 is the argmax; > 0 draws with ``seed``."""
-
-    temperature: float = 0.0
-    seed: int = 0
 
 
 class BatchStepModel(Protocol):

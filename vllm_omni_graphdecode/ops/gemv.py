@@ -2,7 +2,7 @@
 
 Why: at one token a decoder layer's linear layers are GEMVs that must read their weights once,
 and cuBLAS does not reach the bandwidth the GPU has for the small ones. Measured on the H200
-inside CUDA graphs at SenseNova-U1's shapes (``benchmarks/results/h200-2026-12-01/gemv.json``;
+inside CUDA graphs at a 42-layer decoder's shapes (``benchmarks/results/h200-2026-12-01/gemv.json``;
 read bandwidth of a graphed sum 4.33 TB/s):
 
     shape (N x K)        cuBLAS    Inductor, coordinate-descent tuned reduction
@@ -20,14 +20,14 @@ weight shape (the weight is an argument, so one compiled kernel serves every lay
 The fp32 accumulation order differs from cuBLAS's, so results differ in the last bits of bf16:
 this belongs to the fused step, never to the exact one.
 
-Opt-in (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=tuned``): the reduction's block sizes are tuned by
+Opt-in (a hook's "tuned" step mode, docs/configuration.md): the reduction's block sizes are tuned by
 timing at first use, and two processes can pick different ones and so round the same request
 differently (two engine runs of one request with these GEMVs parted at think token 693).
-Measured on the H200, SenseNova-U1's fused step at context 2048
+Measured on the H200, that decoder's fused step at context 2048
 (``benchmarks/results/h200-2026-12-01e/step-probe-0.26``): tuned 5.88 ms/token, the modules'
 own cuBLAS GEMMs 6.14, Inductor's deterministic mode (``deterministic``: each reduction's
-configuration fixed by its heuristics) 7.50. So the default fused step runs cuBLAS, the same in every process, and the
-tuned GEMVs are the 4% faster mode for one process's own consistency only.
+configuration fixed by its heuristics) 7.50. So the default fused step runs cuBLAS, the same in
+every process, and the tuned GEMVs are the 4% faster mode for one process's own consistency only.
 
 A LoRA wrapper of vllm-omni whose adapter is not active on a layer computes exactly its base
 layer (``DiffusionBaseLinearLayerWithLoRA.apply`` skips the adapter's matmuls), so it runs the
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reasons import Reason
+from ..core.reasons import Reason
 
 NO_GEMV = Reason("Inductor GEMVs unavailable",
                  "a CUDA GPU with Triton (the step's linear layers then run through cuBLAS)")
