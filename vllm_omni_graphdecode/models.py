@@ -28,7 +28,8 @@ class Model:
 MODELS: tuple[Model, ...] = (
     Model("sensenova_u1", "SenseNova-U1", "vllm_omni_graphdecode.hooks.sensenova_u1",
           on_import=(("vllm_omni.diffusion.models.sensenova_u1.pipeline_sensenova_u1",
-                      "declare_batching"),)),
+                      "declare_batching"),
+                     ("vllm_omni.diffusion.sched.step_scheduler", "widen_step_admission"))),
     Model("qwen_image_21", "Qwen-Image-2.1", "vllm_omni_graphdecode.hooks.qwen_image_21"),
 )
 

@@ -72,21 +72,25 @@ def setup_runtime(device: str = "cpu") -> None:
                 backend="nccl" if device == "cuda" else "gloo",
                 distributed_init_method=f"tcp://127.0.0.1:{port}")
             ps.ensure_model_parallel_initialized(1, 1)
-        _cfg_group("nccl" if device == "cuda" else "gloo")
+        _omni_groups("nccl" if device == "cuda" else "gloo")
         if device == "cpu":
             _cpu_attention()
             # The Triton kernel cannot run without a GPU; the module falls back to PyTorch.
             sys.modules[_FUSED_ROPE] = None
 
 
-def _cfg_group(backend: str) -> None:
-    """vllm-omni's classifier-free-guidance group, of one rank. Its diffusion worker makes it
-    beside vllm's groups; SenseNova-U1's denoising asks for its size at every CFG step (0.24-0.28
-    assert that it exists). Only that group: the others vllm's initialisation above made."""
+def _omni_groups(backend: str) -> None:
+    """vllm-omni's world group and classifier-free-guidance group, of one rank each. Its
+    diffusion worker makes them beside vllm's groups: SenseNova-U1's denoising asks for the CFG
+    group's size at every CFG step (0.24-0.28 assert that it exists), and the worker's
+    cancellation check (0.30) reads the world group's size. Only those two: the others vllm's
+    initialisation above made."""
     try:
         from vllm_omni.diffusion.distributed import parallel_state as ops
     except ImportError:
         return
+    if getattr(ops, "_WORLD", "absent") is None:
+        ops._WORLD = ops.init_world_group([0], 0, backend)
     if getattr(ops, "_CFG", "absent") is None:
         ops._CFG = ops.init_model_parallel_group(
             group_ranks=[[0]], local_rank=0, backend=backend,
@@ -536,3 +540,69 @@ def interleaved(pipe, requests, *, on_step=None, timeout: float = 300.0) -> list
     finally:
         _restore(pipe, inner)
     return [(images.get(i), outs[i]) for i in range(n)]
+
+
+class StepServer:
+    """vLLM-Omni's step execution as its engine drives it, in this process: the real
+    ``StepScheduler`` (admission, its batch key) and the real ``DiffusionModelRunner``'s
+    stepwise path (``_execute_stepwise``: states, input batch, ``prepare_encode``,
+    ``denoise_step``, ``step_scheduler``, ``post_decode``) around ``pipe``, which is the runner's
+    pipeline. ``tick()`` is one pass of the engine's busy loop: schedule, execute, update.
+
+    Not the engine's process split or its output formatting: the runner's peak-memory sampling
+    is off (vLLM's CPU platform has none)."""
+
+    def __init__(self, pipe, *, max_num_seqs: int = 8, device: str = "cpu"):
+        from vllm.config import DeviceConfig, VllmConfig
+        from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
+        from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+
+        od = pipe.od_config
+        od.step_execution = True
+        od.max_num_seqs = max_num_seqs
+        od.model_class_name = type(pipe).__name__
+        self.pipe = pipe
+        self.runner = DiffusionModelRunner(VllmConfig(device_config=DeviceConfig(device=device)),
+                                           od, torch.device(device))
+        self.runner.pipeline = pipe
+        self.scheduler = StepScheduler()
+        self.scheduler.initialize(od)
+        self.outputs: dict[str, object] = {}  # request id -> DiffusionOutput
+        self.finished_at: dict[str, int] = {}  # request id -> tick
+        self.ticks = 0
+
+    def add(self, request) -> None:
+        self.scheduler.add_request(request)
+
+    def running(self) -> list[str]:
+        return list(self.scheduler._running)
+
+    def abort(self, request_id: str) -> None:
+        from vllm_omni.diffusion.sched.interface import DiffusionRequestStatus
+
+        self.scheduler.finish_requests(request_id, DiffusionRequestStatus.FINISHED_ABORTED)
+
+    def tick(self) -> list[str]:
+        """One engine step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner._execute_stepwise(out, validate_kv_metadata=True,
+                                               record_output_peak_memory=False)
+        finished = []
+        for o in result.runner_outputs:
+            if o.finished:
+                self.outputs[o.request_id] = o.result
+                self.finished_at[o.request_id] = self.ticks
+                finished.append(o.request_id)
+        self.scheduler.update_from_output(out, result)
+        self.ticks += 1
+        return finished
+
+    def run(self, limit: int = 10_000) -> dict[str, object]:
+        """Tick until no request is left; returns every output by request id."""
+        while self.scheduler.has_requests():
+            self.tick()
+            if self.ticks > limit:
+                raise RuntimeError(f"requests still running after {limit} steps")
+        return self.outputs

@@ -24,11 +24,20 @@ A member that raises ends alone: its exception is its result, the others go on. 
 raising is a bug in the caller; it is re-raised in every member still waiting (each request
 fails with it rather than hanging).
 
+Each member runs in a copy of the caller's ``contextvars`` context, taken when the group starts
+it: what the caller's code keeps in context variables (vllm-omni 0.30 keeps a request's
+cancellation signals in one) is what the member's code sees.
+
+``Ticks`` is the same idea for a server that advances its requests one step at a time
+(vLLM-Omni's step execution): members that live across calls, each call (``tick``) giving every
+member one unit of work and the batched launch at most once.
+
 Model-agnostic; no CUDA.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Callable, Sequence
 
@@ -80,7 +89,8 @@ class Turns:
         if not fns:
             return []
         for member, fn in zip(self._members, fns):
-            member.thread = threading.Thread(target=self._body, args=(member, fn),
+            context = contextvars.copy_context()  # one each: a context runs in one thread
+            member.thread = threading.Thread(target=context.run, args=(self._body, member, fn),
                                              name=f"{self.name}-{member.index}", daemon=True)
         with self._cond:
             self._turn = 0
@@ -168,3 +178,159 @@ class Turns:
                                       f"of them ready")
                 self._cond.notify_all()
                 return
+
+
+# -- requests advanced one step per call ---------------------------------------------------------
+
+NEW, RUNNING, AT_STEP, AT_LAUNCH, DONE = "new", "running", "at step", "at launch", "done"
+
+
+class TickMember:
+    """One request's thread in a ``Ticks`` group: where it stands (``state``), and when ``DONE``
+    its ``result`` or ``error``."""
+
+    def __init__(self, group: "Ticks", fn: Callable[[], object], name: str, setup=None):
+        self.group = group
+        self.fn = fn
+        self.state = NEW
+        self.ready: Callable[[], bool] | None = None  # AT_LAUNCH: can it go on?
+        self.result = None
+        self.error: BaseException | None = None
+        self.stop: BaseException | None = None  # raised in its thread at its next resume
+        self.steps = 0  # units of work done (ticks it ran in)
+        self._go = threading.Semaphore(0)
+        self._context = contextvars.copy_context()
+        self._setup = setup
+        self.thread = threading.Thread(target=self._context.run, args=(self._body,), name=name,
+                                       daemon=True)
+
+    @property
+    def done(self) -> bool:
+        return self.state == DONE
+
+    def _body(self) -> None:
+        _local.member = self
+        self._go.acquire()
+        try:
+            if self.stop is not None:
+                raise self.stop
+            self.state = RUNNING
+            self.result = self._setup(self.fn)() if self._setup is not None else self.fn()
+        except BaseException as exc:  # the request's own failure, or its stop: its result
+            self.error = exc
+        finally:
+            _local.member = None
+            self.state = DONE
+            self.group._back.release()
+
+
+class Ticks:
+    """Requests that live across calls, each running its own code in a thread of its own, one
+    thread at a time; ``tick()`` advances every one of them by one unit of work.
+
+    A member's units end where its code calls ``end_of_step()`` (a denoising step) or waits for
+    the batched launch (``wait_until``, as in ``Turns``). One ``tick()``, from the caller's
+    thread, in order:
+
+    1. every member that can run (new, or parked at ``end_of_step``) runs, one after another
+       in the order they were added, until it parks again or ends: a new request's prefill,
+       one step of each denoising request;
+    2. if any member waits for a launch, ``launch()`` runs once, in the caller's thread, and
+       each member it made ready runs until it parks again (its next launch is the next tick's)
+       or ends.
+
+    So a request that decodes gets one launch a tick and one that denoises one step a tick,
+    whatever joins or leaves beside it, and a request that ends leaves at the tick it ended in.
+    ``stop(member, exc)`` raises ``exc`` in the member's thread where it is parked, at the next
+    tick (its ``finally`` blocks run, in its turn), or at once where it never ran.
+
+    ``setup(fn)`` (optional) wraps each member's callable in its thread (device, stream, grad
+    mode). Members run in a copy of the ``contextvars`` context of the thread that added them.
+    A ``launch()`` that raises fails every member that waited for it with that exception.
+    """
+
+    def __init__(self, launch: Callable[[], None], *, name: str = "graphdecode-tick",
+                 setup: Callable[[Callable[[], object]], Callable[[], object]] | None = None):
+        self.launch = launch
+        self.name = name
+        self.setup = setup
+        self.members: list[TickMember] = []
+        self._back = threading.Semaphore(0)
+        self._added = 0
+        self.ticks = 0
+
+    def add(self, fn: Callable[[], object]) -> TickMember:
+        """A member for ``fn``; it first runs at the next ``tick``."""
+        member = TickMember(self, fn, f"{self.name}-{self._added}", self.setup)
+        self._added += 1
+        self.members.append(member)
+        member.thread.start()  # it waits for its first turn
+        return member
+
+    def stop(self, member: TickMember, exc: BaseException) -> None:
+        if member.done:
+            return
+        member.stop = exc
+        if member.state == NEW:
+            self._resume(member)  # it raises ``exc`` before running anything
+
+    def forget(self, member: TickMember) -> None:
+        """Drop an ended member (its result was read)."""
+        if member.done and member in self.members:
+            self.members.remove(member)
+
+    def tick(self) -> None:
+        self.ticks += 1
+        for member in list(self.members):
+            if member.state in (NEW, AT_STEP) or (member.state == AT_LAUNCH
+                                                  and (member.stop is not None or member.ready())):
+                self._resume(member)
+        waiting = [m for m in self.members if m.state == AT_LAUNCH]
+        if not waiting:
+            return
+        try:
+            self.launch()
+        except BaseException as exc:
+            for member in waiting:
+                if member.stop is None:
+                    member.stop = exc
+        for member in waiting:
+            if member.state == AT_LAUNCH and (member.stop is not None or member.ready()):
+                self._resume(member)
+
+    # -- inside a member's thread -----------------------------------------------------------------
+
+    def wait_until(self, ready: Callable[[], bool]) -> None:
+        """Park until ``ready()`` holds after a launch (``Turns.wait_until``'s contract)."""
+        member = self._own()
+        if ready():
+            return
+        member.ready = ready
+        self._park(member, AT_LAUNCH)
+        member.ready = None
+
+    def end_of_step(self) -> None:
+        """This tick's unit of work is done: park until the next tick."""
+        self._park(self._own(), AT_STEP)
+
+    def _own(self) -> TickMember:
+        member = current()
+        if member is None or member.group is not self:
+            raise RuntimeError("called outside one of this group's members")
+        return member
+
+    def _park(self, member: TickMember, state: str) -> None:
+        member.state = state
+        self._back.release()
+        member._go.acquire()
+        member.state = RUNNING
+        if member.stop is not None:
+            raise member.stop
+
+    # -- the caller's side --------------------------------------------------------------------
+
+    def _resume(self, member: TickMember) -> None:
+        """Let ``member`` run until it parks or ends; the caller's thread waits meanwhile."""
+        member.steps += 1
+        member._go.release()
+        self._back.acquire()

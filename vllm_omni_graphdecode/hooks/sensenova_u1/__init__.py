@@ -25,6 +25,8 @@ Files, one concern each:
     ops.py         one rms_norm, rope-table and q/k-norm + rope, shared by the bodies below
     batch.py       requests decoding together under --max-num-seqs > 1: the engine's declaration,
                    the batched forward, the 16-row step
+    steps.py       continuous batching under --step-execution: requests join and leave the
+                   batch at every step (vLLM-Omni's step-execution protocol, its admission key)
     wiring.py      install() / unwire(): the pipeline methods patched (through one
                    patching.Patches), sleep release, pre-capture
     denoise.py     image denoising: each CFG branch's step replayed over static prefix + image
@@ -67,7 +69,7 @@ from .wiring import STATE_ATTR, install, unwire
 __all__ = ["BUSY", "CAPTURE_FAILED", "COMPILED", "Fusion", "HOOKED", "KV_QUANT", "LAYOUTS",
            "Layout", "MODEL", "OFFLOAD", "OOM", "PAGED_KWARG", "RELEASED", "STATE_ATTR", "TP",
            "UNFUSED", "declare_batching", "detect_layout", "find_target", "install",
-           "paged_decoder", "support", "unwire", "wire"]
+           "paged_decoder", "support", "unwire", "widen_step_admission", "wire"]
 
 
 def support() -> dict[str, str]:
@@ -99,13 +101,22 @@ def wire(target, cfg, runner) -> str:
 
 def declare_batching(module, cfg) -> str | None:
     """Called right after vllm-omni imports its SenseNova-U1 pipeline module, in every process
-    that loads the plugin (``models.Model.on_import``): declares request batching there
-    (``batch.declare``) unless ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH=off``."""
+    that loads the plugin (``models.Model.on_import``): declares request batching and
+    cancellation (``batch.declare``) and step execution (``steps.declare``) there unless
+    ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH=off``."""
     if cfg.sensenova_batch == "off":
         return None
     cls = getattr(module, "SenseNovaU1Pipeline", None)
     if cls is None:
         return "request batching not declared: the module has no SenseNovaU1Pipeline"
-    from .batch import declare
+    from . import batch, steps
 
-    return declare(cls)
+    return f"{batch.declare(cls)}; {steps.declare(cls)}"
+
+
+def widen_step_admission(module, cfg) -> str | None:
+    """Called right after vllm-omni imports its step scheduler (``models.Model.on_import``):
+    SenseNova-U1 requests of every size and kind join one running batch (``steps.py``)."""
+    from . import steps
+
+    return steps.widen_step_admission(module, cfg)

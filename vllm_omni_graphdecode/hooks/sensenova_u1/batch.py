@@ -30,6 +30,7 @@ parameter the device-side choice does not implement (``LOOP_PARAMS``) runs its o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -53,6 +54,7 @@ MAX_ROWS = 16
 # step and 7.98 in a 16-row one; results h200-2026-12-01e).
 STEP_ROWS = MAX_ROWS
 BATCH_ATTR = "supports_request_batch"
+CANCEL_ATTR = "supports_request_cancellation"
 
 NOT_WIRED = Reason("batched decode not wired on this pipeline",
                    "see the load line (python -m vllm_omni_graphdecode stats)")
@@ -156,6 +158,9 @@ class BatchWiring:
         self._gate_reason: Reason | None = None
         self.dtype = next(self.lm.parameters()).dtype
         self.linears = linears  # FP8 copies (fp8.Fp8Linears) or None: the modules' own GEMMs
+        # The pipeline's forward beneath this batch's (``wiring.install`` sets it): what a
+        # request runs under step execution (``steps.py``).
+        self.inner_forward = pipeline.forward
 
     # -- the decoder --------------------------------------------------------------------------
 
@@ -297,6 +302,40 @@ def current_request():
     return getattr(_local, "request", None)
 
 
+@contextlib.contextmanager
+def serving(request):
+    """This thread serves ``request`` (``current_request``); its engine cancellation flag is
+    opened once for the whole request (``check_cancelled``)."""
+    _local.request = request
+    _local.cancel = _cancel_flag(request)
+    try:
+        yield
+    finally:
+        flag, _local.cancel, _local.request = getattr(_local, "cancel", None), None, None
+        if flag is not None:
+            flag.close()
+
+
+def cancelled() -> bool:
+    """Whether the engine asked to abort the request this thread serves."""
+    flag = getattr(_local, "cancel", None)
+    return flag is not None and bool(flag.buf[0])
+
+
+def check_cancelled() -> None:
+    """Raise vLLM-Omni's abort error when the engine asked to abort this thread's request."""
+    if cancelled():
+        raise _abort_error("request cancelled")
+
+
+def _abort_error(message: str) -> BaseException:
+    try:
+        from vllm_omni.diffusion.data import DiffusionRequestAbortedError
+    except ImportError:  # older releases
+        return RuntimeError(message)
+    return DiffusionRequestAbortedError(message)
+
+
 def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason = NOT_WIRED):
     """``forward(req)`` for a ``DiffusionRequestBatch`` of any size: each request a member of one
     ``turns`` group (``batch`` given), or one after another (``batch`` None: ``why`` counted)."""
@@ -333,11 +372,8 @@ def wrap_forward(batch: "BatchWiring | None", original, *, why: Reason = NOT_WIR
 
         def one(request, sub):
             def run():
-                _local.request = request
-                try:
+                with serving(request):
                     return original(sub, *args, **kwargs)
-                finally:
-                    _local.request = None
             return member.run(run)
 
         rows = batch.rows
@@ -436,8 +472,6 @@ class RowSession(EagerRow):
         self.row = row
         self.think = think
         self.request = current_request()
-        # Read at every token: opened here, not per token (a shm_open and an mmap each).
-        self._cancel = _cancel_flag(self.request)
 
     @property
     def live(self) -> bool:
@@ -450,13 +484,9 @@ class RowSession(EagerRow):
         return self.row.live and self.owns(cache)
 
     def decode(self, token: int, position: int) -> int | None:
-        if self._cancel is not None and self._cancel.buf[0]:
+        if cancelled():  # read at every token: the flag was opened once (``serving``)
             self.close()
-            try:
-                from vllm_omni.diffusion.data import DiffusionRequestAbortedError
-            except ImportError:
-                raise RuntimeError("request cancelled") from None
-            raise DiffusionRequestAbortedError("request cancelled while decoding in a batch")
+            raise _abort_error("request cancelled while decoding in a batch")
         return self.row.next(token, position)
 
     def finish(self) -> None:
@@ -465,9 +495,6 @@ class RowSession(EagerRow):
 
     def close(self) -> None:
         self.batch.decoder.leave(self.row, write_back=self.think)
-        if self._cancel is not None:
-            self._cancel.close()
-            self._cancel = None
 
 
 def open_row(batch: BatchWiring, cache, *, think: bool, sampling: RowSampling):
@@ -558,6 +585,7 @@ def declare(cls) -> str:
         return unsafe.describe()
     if getattr(cls.forward, "__graphdecode__", False):
         setattr(cls, BATCH_ATTR, True)
+        setattr(cls, CANCEL_ATTR, True)
         return "already declared"
     try:
         original = check_signature(cls, "forward", FORWARD_PARAMS)
@@ -576,8 +604,11 @@ def declare(cls) -> str:
     forward.__graphdecode__ = True
     cls.forward = forward
     setattr(cls, BATCH_ATTR, True)
+    # The engine then gives each request a cancellation flag (vllm-omni 0.30), which a row
+    # reads at every token and a denoising request at every step (``check_cancelled``).
+    setattr(cls, CANCEL_ATTR, True)
     stats.count(MODEL, "batch_declared")
-    return f"{cls.__name__}: request batching declared"
+    return f"{cls.__name__}: request batching and cancellation declared"
 
 
 def engine_rows(runner, cfg) -> int:
