@@ -100,6 +100,16 @@ def test_028_denoising_branch_steps_equal_the_pipelines_own(report):
     assert r["static_steps"] == 6 and r["fallbacks"] == {}
 
 
+def test_028_step_execution_serves_requests_that_join_each_as_alone(report):
+    """vllm-omni 0.28's step engine parts (its scheduler, its runner's stepwise path) and 0.28's
+    pipeline with the plugin's continuous batching (issue #41)."""
+    r = report["steps"]
+    assert "step execution declared" in r["declared"], r["declared"]
+    assert "admits" in r["widened"]
+    assert r["equal"] and r["requests"] == 3 and r["shared_launches"]
+    assert r["fallbacks"] == {}
+
+
 def _method_source(path: Path, cls: str, name: str) -> str:
     """A method's source read from the file: 0.28's worker module itself does not import on
     vllm 0.30 (it needs ``vllm.inputs.preprocess``), and only its text is needed here."""
@@ -285,6 +295,7 @@ def _child(omni_path: str) -> dict:
                 for l in fresh.model.layers),
     }
     out["denoise"] = _denoise_vs_eager(st, hook, kernels, config, stats)
+    out["steps"] = _step_execution(st, hook, config, stats)
     return out
 
 
@@ -315,6 +326,50 @@ def _denoise_vs_eager(st, hook, kernels, config, stats) -> dict:
             "equal": len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)),
             "static_steps": stats.get("sensenova_u1_image", "static_step"),
             "fallbacks": stats.fallbacks("sensenova_u1_image")}
+
+
+def _step_execution(st, hook, config, stats) -> dict:
+    """0.28's own step engine parts (its ``StepScheduler``, its runner's stepwise path) around
+    0.28's pipeline from the tiny checkpoint, with the plugin's step execution: a text answer
+    and an image start together, a second text answer joins two steps later; each answer
+    against the same request alone in request mode."""
+    import tempfile
+
+    import torch
+
+    from vllm_omni.diffusion.sched import step_scheduler
+    from vllm_omni_graphdecode.decode.batch import kv as batch_kv
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import steps
+
+    from test_sensenova_batch import _answer, _batch, _request
+
+    cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "off",
+                        "VLLM_OMNI_GRAPHDECODE_BUCKETS": "64,128",
+                        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "64",
+                        "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": "4"})
+    tmp = st.write_tiny_checkpoints(tempfile.mkdtemp(prefix="omni028_steps_"))
+    ckpt = os.path.join(tmp, "sensenova_u1")
+    pipe = st.load_sensenova_pipeline(ckpt, dtype=torch.float32)
+    declared = hook.declare_batching(st.pipeline_module(), cfg)
+    hook.install(pipe, cfg, None, rows=4, batch_attention=batch_kv.REFERENCE, graphs=False,
+                 image_graphs=False)
+    widened = steps.widen_step_admission(step_scheduler, cfg)
+    requests = [_request(0, "a text answer", text=16), _request(1, "a plain image"),
+                _request(2, "joins later", text=24)]
+    alone = {r.request_id: _answer(pipe.forward(_batch([r]))) for r in requests}
+    stats.reset()
+    server = st.StepServer(pipe, max_num_seqs=4)
+    server.add(requests[0])
+    server.add(requests[1])
+    server.tick()
+    server.tick()
+    server.add(requests[2])
+    together = {rid: _answer(o) for rid, o in server.run().items()}
+    return {"declared": declared, "widened": widened, "equal": together == alone,
+            "requests": len(together), "shared_launches":
+            stats.get("sensenova_u1", "batch_rows") > stats.get("sensenova_u1", "batch_launch"),
+            "fallbacks": stats.fallbacks("sensenova_u1")}
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
