@@ -465,3 +465,60 @@ def test_a_flag_read_through_a_threads_own_request(checkpoint):  # noqa: F811
     finally:
         signal.close()
         signal.unlink()
+
+
+# ------------------------------------------------------------------ n images for one request
+
+def _images(out):
+    import numpy as np
+
+    assert out.error is None, out.error
+    image = out.output["payload"]["image"]
+    return [np.asarray(i) for i in (image if isinstance(image, list) else [image])]
+
+
+def test_a_request_for_two_images_gets_both_from_one_prefill(checkpoint):  # noqa: F811
+    """``num_outputs_per_prompt`` 2: both images of the pipeline's own batch of two (its first
+    image is what the release returns for ``batch_size`` 2, the second is the one it drops);
+    one prefill (a single prefix forward per CFG branch)."""
+    import numpy as np
+
+    two = _request(80, "two images of a boat")
+    two.sampling_params.num_outputs_per_prompt = 2
+    release = _pipeline(checkpoint, cfg=False)
+    hook.declare_batching(rm.pipeline_module(), _cfg())
+    by_batch_size = _request(80, "two images of a boat", batch_size=2)
+    want = _images(release.forward(_batch([by_batch_size])))
+    assert len(want) == 1  # the release's own behaviour: the first image only
+
+    pipe = _pipeline(checkpoint)
+    prefills = []
+    real = pipe._t2i_prefix_forward
+
+    def prefix_forward(*args, **kwargs):
+        prefills.append(1)
+        return real(*args, **kwargs)
+
+    pipe._t2i_prefix_forward = prefix_forward
+    got = _images(pipe.forward(_batch([two])))
+    assert len(got) == 2 and np.array_equal(got[0], want[0])
+    assert not np.array_equal(got[0], got[1])
+    assert len(prefills) == 2  # cond and uncond, once each: not once per image
+    assert stats.get(MODEL, "n_images_request") == 1 and stats.get(MODEL, "n_images") == 2
+    named = _request(81, "a batch named by the request", batch_size=2)
+    named.sampling_params.num_outputs_per_prompt = 2
+    assert len(_images(pipe.forward(_batch([named])))) == 1  # the pipeline's own behaviour
+
+
+def test_a_request_for_two_images_joins_a_running_step_batch(server, checkpoint):  # noqa: F811
+    two = _request(82, "two images of a tree")
+    two.sampling_params.num_outputs_per_prompt = 2
+    text = _request(83, "a text answer beside them", text=20)
+    want = _alone(checkpoint, [two, text])
+    srv = server()
+    srv.add(text)
+    srv.tick()
+    srv.add(two)
+    outputs = srv.run()
+    assert {rid: _answer(out) for rid, out in outputs.items()} == want
+    assert len(_images(outputs[two.request_id])) == 2

@@ -25,6 +25,7 @@ Files, one concern each:
     ops.py         one rms_norm, rope-table and q/k-norm + rope, shared by the bodies below
     batch.py       requests decoding together under --max-num-seqs > 1: the engine's declaration,
                    the batched forward, the 16-row step
+    images.py      n images for one request (num_outputs_per_prompt), from one prefill
     steps.py       continuous batching under --step-execution: requests join and leave the
                    batch at every step (vLLM-Omni's step-execution protocol, its admission key)
     wiring.py      install() / unwire(): the pipeline methods patched (through one
@@ -109,9 +110,9 @@ def declare_batching(module, cfg) -> str | None:
     cls = getattr(module, "SenseNovaU1Pipeline", None)
     if cls is None:
         return "request batching not declared: the module has no SenseNovaU1Pipeline"
-    from . import batch, steps
+    from . import batch, images, steps
 
-    return f"{batch.declare(cls)}; {steps.declare(cls)}"
+    return f"{batch.declare(cls)}; {images.declare(module)}; {steps.declare(cls)}"
 
 
 def widen_step_admission(module, cfg) -> str | None:

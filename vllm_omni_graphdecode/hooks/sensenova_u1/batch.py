@@ -44,7 +44,7 @@ from ...decode.batch.decoder import BatchDecoder
 from ...decode.batch.kv import BLOCK_SIZE, BatchKV, blocks_for, bytes_per_token, select_attention
 from ...decode.sampling import RowSampling, choose
 from ...decode.token_loop import HostLogits
-from . import layouts, rules
+from . import images, layouts, rules
 from .step import MODEL, PAGED_KWARG, StepArgs, patch_attention
 
 MAX_ROWS = 16
@@ -596,9 +596,10 @@ def declare(cls) -> str:
     @functools.wraps(original)
     def forward(self, req, *args, **kwargs):
         requests = getattr(req, "requests", None) or []
+        # One request: the pipeline's own forward, serving ``n`` images (``images.py``).
+        bound = images.wrap(functools.partial(original, self))
         if len(requests) <= 1:
-            return original(self, req, *args, **kwargs)
-        bound = functools.partial(original, self)
+            return bound(req, *args, **kwargs)
         return wrap_forward(None, bound, why=NOT_WIRED)(req, *args, **kwargs)
 
     forward.__graphdecode__ = True
