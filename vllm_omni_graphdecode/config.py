@@ -253,8 +253,8 @@ SETTINGS: tuple[Setting, ...] = (
             "parallelism, offload, LoRA wrappers or off CUDA a branch runs the pipeline's own "
             "step with the reason counted."),
     Setting(SENSENOVA_BATCH_VAR, "auto", _choice("auto", "off"), "sensenova_batch",
-            "SenseNova-U1 under load: `auto` lets `--max-num-seqs N` start and decodes the "
-            "requests of one forward together (vllm-omni 0.28+); `off`: the release's refusal.",
+            "SenseNova-U1 under load (vllm-omni 0.28+): `auto` batches its requests' decode, "
+            "with `--step-execution` continuously; `off`: the release's refusal.",
             "With `auto` the pipeline declares request batching where vLLM-Omni's engine starts, "
             "so `vllm serve ... --omni --max-num-seqs N` starts, and the think and text loops of "
             "the requests the engine hands one `forward` decode together as rows of one 16-row "
@@ -263,7 +263,16 @@ SETTINGS: tuple[Setting, ...] = (
             "changes. Not on vllm-omni 0.24 and 0.26, whose executor can lose a request batch's "
             "outputs: there the server refuses `--max-num-seqs` above 1 as without the plugin, "
             "and the log says why. How it serves: "
-            "[serving concurrently](serving.md#serving-sensenova-u1-concurrently)."),
+            "[serving concurrently](serving.md#serving-sensenova-u1-concurrently).\n\n"
+            "`auto` also gives the pipeline vLLM-Omni's step-execution protocol (0.28 and 0.30), "
+            "so `vllm serve ... --omni --step-execution --max-num-seqs N` starts: requests join "
+            "the running batch at every step and leave when done, text answers and images in "
+            "the same decode launches, and the engine's admission admits SenseNova-U1 requests "
+            "of every size and kind together "
+            "([continuous batching](serving.md#continuous-batching---step-execution)). It also "
+            "declares the engine's request cancellation (an abort stops a batched request at its "
+            "next token or denoising step) and serves `n` images per request "
+            "(`num_outputs_per_prompt`) from one prefill. With `off` none of this is declared."),
     Setting(FP8_VAR, "off", _parse_fp8, "fp8",
             "Opt-in FP8 (e4m3) weight copies on the hot paths: `off`, `on` (all but "
             "`sensenova_lm_head`), or a comma list of paths. They round differently from bf16.",
