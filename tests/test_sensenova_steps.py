@@ -522,3 +522,72 @@ def test_a_request_for_two_images_joins_a_running_step_batch(server, checkpoint)
     outputs = srv.run()
     assert {rid: _answer(out) for rid, out in outputs.items()} == want
     assert len(_images(outputs[two.request_id])) == 2
+
+
+# ------------------------------------------------------------------ what register() declares
+
+@pytest.fixture
+def bare_class():
+    """The real pipeline class without any declaration of this plugin, restored after the test
+    (declarations are process-wide: an earlier test's may be in place)."""
+    cls = rm.pipeline_module().SenseNovaU1Pipeline
+    names = (*steps.PROTOCOL, "supports_step_execution", "supports_request_cancellation",
+             "supports_request_batch", "forward", "_denoise")
+    before = {name: cls.__dict__[name] for name in names if name in cls.__dict__}
+    for name in names:
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for name in ("forward", "_denoise"):  # the pipeline's own, beneath any declaration
+        fn = before[name]
+        while getattr(fn, "__graphdecode__", False):
+            fn = fn.__wrapped__
+        setattr(cls, name, fn)
+    yield cls
+    steps.undo_step_admission()
+    for name in names:  # exactly as before: what the test declared goes, what was there returns
+        if name in cls.__dict__:
+            delattr(cls, name)
+    for name, value in before.items():
+        setattr(cls, name, value)
+
+
+def _supports_step_mode(pipe) -> bool:
+    """The runner's own check at load (``DiffusionModelRunner._supports_step_mode``)."""
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+
+    return DiffusionModelRunner._supports_step_mode(type("R", (), {"pipeline": pipe})())
+
+
+def test_the_release_refuses_step_execution_for_sensenova_and_register_declares_it(
+        checkpoint, bare_class):  # noqa: F811
+    from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
+
+    from vllm_omni_graphdecode.core import loading
+
+    pipe = _pipeline(checkpoint, cfg=False)
+    assert not _supports_step_mode(pipe)  # load_model raises "step_execution=True requires ..."
+    key_method = StepScheduler._build_sampling_params_key
+    # What register() does where the engine and the worker import vllm-omni's modules.
+    loading.install_model_hooks(_cfg())
+    assert _supports_step_mode(pipe)
+    assert bare_class.supports_request_cancellation is True
+    assert StepScheduler._build_sampling_params_key is not key_method
+    steps.undo_step_admission()
+    assert StepScheduler._build_sampling_params_key is key_method
+
+
+@pytest.mark.parametrize("env", [{"VLLM_OMNI_GRAPHDECODE": "qwen_image_21"},
+                                 {"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                                  "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH": "off"}],
+                         ids=["not_named", "batch_off"])
+def test_without_the_plugin_for_sensenova_nothing_is_declared_or_widened(checkpoint,  # noqa: F811
+                                                                         bare_class, env):
+    from vllm_omni.diffusion.sched.step_scheduler import StepScheduler
+
+    from vllm_omni_graphdecode import config
+    from vllm_omni_graphdecode.core import loading
+
+    key_method = StepScheduler._build_sampling_params_key
+    loading.install_model_hooks(config.parse(env))
+    assert not _supports_step_mode(_pipeline(checkpoint, cfg=False))
+    assert StepScheduler._build_sampling_params_key is key_method
