@@ -591,3 +591,16 @@ def test_without_the_plugin_for_sensenova_nothing_is_declared_or_widened(checkpo
     loading.install_model_hooks(config.parse(env))
     assert not _supports_step_mode(_pipeline(checkpoint, cfg=False))
     assert StepScheduler._build_sampling_params_key is key_method
+
+
+def test_the_denoiser_keeps_a_live_entry_for_every_branch_of_every_running_request(
+        checkpoint):  # noqa: F811
+    """--max-num-seqs 16 under step execution: up to 16 requests denoise at once, an edit with
+    three branches; below that cap a branch would run eagerly for want of an entry."""
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
+
+    cfg = _cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE="graph")
+    pipe = _pipeline(checkpoint, cfg=cfg, rows=16)
+    assert getattr(pipe, wiring.IMAGE_ATTR).graphs.max_entries == denoise.BRANCHES * 16 == 48
+    pipe = _pipeline(checkpoint, cfg=cfg, rows=2)
+    assert getattr(pipe, wiring.IMAGE_ATTR).graphs.max_entries == cfg.max_entries

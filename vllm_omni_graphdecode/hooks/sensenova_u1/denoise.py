@@ -80,6 +80,10 @@ GEN_FORWARD = ("self", "hidden_states", "indexes", "attention_mask", "past_key_v
 # entry and the last two prompts' cond entries; at 1024x1024 an idle entry with its graph holds
 # ~0.5 GB (H200 measurement: 1,026 MiB for two).
 IDLE_ENTRIES = 3
+# Branches one request holds at once: cond, uncond and img_cond (an edit). A server running
+# ``rows`` requests at once needs this many live entries a request (``Denoiser``'s cap): a live
+# entry costs nothing beyond the request's own caches, which are re-pointed at its buffers.
+BRANCHES = 3
 # Tensors the step reads: copied into the entry (step: every step; request: once per branch).
 STEP_TENSORS = ("input_embeds", "t", "z")
 REQUEST_TENSORS = ("indexes_image",)
@@ -185,7 +189,8 @@ class _Branch:
 class Denoiser:
     """The denoising wiring of one pipeline: gate, per-branch entries, the replayed step."""
 
-    def __init__(self, pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None,
+    def __init__(self, pipeline, layout: layouts.Layout, cfg, *, rows: int = 1,
+                 capture: bool | None = None,
                  runner=None):
         self.pipeline = pipeline
         self.lm = pipeline.language_model
@@ -212,7 +217,8 @@ class Denoiser:
         elif self._fp8:
             stats.degraded(MODEL, FP8_NEEDS_FAST.because(f"mode {cfg.sensenova_denoise}"))
         self.graphs = PrefixGraphs(MODEL, self._static_step,
-                                                max_entries=cfg.max_entries, verify=cfg.verify,
+                                   max_entries=max(cfg.max_entries, BRANCHES * rows),
+                                   verify=cfg.verify,
                                                 capture=capture is not False,
                                                 max_idle=IDLE_ENTRIES)
         # id(branch cache) -> (weak reference to it, what was decided at its first step)
@@ -560,14 +566,14 @@ def _attention_backend(language_model) -> str:
 
 
 def install(pipeline, layout: layouts.Layout, cfg, *, capture: bool | None = None, runner=None,
-            patches=None):
+            patches=None, rows: int = 1):
     """Patch ``pipeline``'s branch step and denoising loop; returns the ``Denoiser``.
     HookRefused (nothing patched) when the code moved. ``runner``: the one sleep's release was
     registered on (``patching.release_on_sleep``); each branch's first step then checks that
     sleep still reaches it (``patching.release_lost``) and runs eagerly with the reason if not."""
     lm = pipeline.language_model
     check(pipeline, lm)
-    denoiser = Denoiser(pipeline, layout, cfg, capture=capture, runner=runner)
+    denoiser = Denoiser(pipeline, layout, cfg, rows=rows, capture=capture, runner=runner)
     predict = pipeline._t2i_predict_v
     loop = pipeline._run_denoising_loop
 

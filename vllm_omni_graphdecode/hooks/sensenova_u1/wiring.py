@@ -211,7 +211,8 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
     if rows > 1:
         check_signature(cls, "forward", batch_mod.FORWARD_PARAMS)
     elif layout.in_tree and cfg.sensenova_intree == "defer" and not use_fp8:
-        image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None)
+        image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=None,
+                              rows=rows)
         head = (f"{cls.__name__} ({layout.versions}) has its own paged decode, which stays in "
                 f"charge (VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE=defer)")
         if getattr(pipeline, IMAGE_ATTR, None) is None:
@@ -269,7 +270,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         patches.set(pipeline, "forward", batch_mod.wrap_forward(wiring.batch, pipeline.forward))
         patches.set(pipeline, batch_mod.BATCH_ATTR, True)
     patches.set(pipeline, STATE_ATTR, wiring)
-    image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=wiring)
+    image = _wire_denoise(pipeline, layout, cfg, runner, image_graphs, decode=wiring, rows=rows)
 
     if isinstance(kernel, kernels.Kernel):
         what = f"{kernel.name}, {'CUDA graphs' if graphs else 'no graphs'}"
@@ -303,9 +304,10 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
 IMAGE_ATTR = "_graphdecode_sensenova_u1_image"
 
 
-def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
+def _wire_denoise(pipeline, layout, cfg, runner, capture, decode, rows: int = 1) -> str:
     """Wire the denoising branches (``denoise.py``) when asked, and the sleep release of what was
-    wired (``decode``'s sessions, the denoiser's entries); returns the summary's clause."""
+    wired (``decode``'s sessions, the denoiser's entries); returns the summary's clause. ``rows``:
+    the requests the engine runs at once (the denoiser keeps an entry per live branch of each)."""
     from ...config import SENSENOVA_DENOISE_VAR
     from . import denoise
 
@@ -322,7 +324,7 @@ def _wire_denoise(pipeline, layout, cfg, runner, capture, decode) -> str:
             # release is the plugin's registration (0.24-0.28); on 0.30 the runner calls the
             # pipeline's own release_captured_graphs, set below.
             denoiser = denoise.install(
-                pipeline, layout, cfg, capture=capture, patches=patches,
+                pipeline, layout, cfg, capture=capture, patches=patches, rows=rows,
                 runner=None if runner is None or patching.runner_releases_pipeline(runner)
                 else runner)
         except HookRefused as exc:
