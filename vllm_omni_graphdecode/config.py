@@ -333,7 +333,9 @@ SETTINGS: tuple[Setting, ...] = (
             "An idle entry keeps its buffers: at the real shape about 2.3 GB for a 1024x1024 "
             "text-to-image entry and 6.6 GB for a two-reference edit in the fast mode (prefix "
             "and target K/V), 0.1 and 4.4 GB in the exact mode (prefix only). Lower it on a GPU "
-            "short of memory."),
+            "short of memory. SenseNova-U1's denoising keeps at least three a request the "
+            "engine runs at once (`--max-num-seqs`: cond, uncond and an edit's image branch), "
+            "and no more than three idle ones."),
     Setting("VLLM_OMNI_GRAPHDECODE_STATS_FILE", "0", _path_or_off, "stats_file",
             "A path: each process that wires a model or counts an event writes its counters there "
             "as JSON (`{pid}`: the process id); `0` off.",
