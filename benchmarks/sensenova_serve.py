@@ -107,7 +107,16 @@ def run_side(side: str, args, checkpoint: str) -> dict:
            "--text-prompt-chars", str(args.text_prompt_chars),
            "--init-timeout", str(args.init_timeout), "--request-timeout",
            str(args.request_timeout)] + [f"--serve-arg={a}" for a in serve_args]
-    log(f"{side}: {' '.join(cmd)}")
+    rc, took, result = run_driver(cmd, env, out, side)
+    return {"rc": rc, "seconds": took, "env": {k: v for k, v in env.items()
+                                               if k.startswith("VLLM_OMNI_GRAPHDECODE")},
+            "serve_args": serve_args, "result": result}
+
+
+def run_driver(cmd: list[str], env: dict, out: str, label: str) -> tuple[int, float, dict | None]:
+    """Run ``tests/e2e_serve.py`` (``cmd``) with its output in ``OUT/driver.log``: its exit code,
+    seconds, and the ``result.json`` it wrote (None if none)."""
+    log(f"{label}: {' '.join(cmd)}")
     started = time.perf_counter()
     with open(os.path.join(out, "driver.log"), "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -118,10 +127,8 @@ def run_side(side: str, args, checkpoint: str) -> dict:
         with open(path) as f:
             result = json.load(f)
     took = round(time.perf_counter() - started, 1)
-    log(f"{side}: driver exited {rc} after {took} s")
-    return {"rc": rc, "seconds": took, "env": {k: v for k, v in env.items()
-                                               if k.startswith("VLLM_OMNI_GRAPHDECODE")},
-            "serve_args": serve_args, "result": result}
+    log(f"{label}: driver exited {rc} after {took} s")
+    return rc, took, result
 
 
 BATCH_COUNTERS = ("batch_forward", "batch_requests", "batch_launch", "batch_rows",

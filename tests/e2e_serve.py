@@ -25,6 +25,17 @@ Scenarios (the request kinds the summary names):
   ``sensenova_load_think_N`` (N think images of ``--image-size``, distinct prompts and seeds),
   each kind's N sent all at once; per request its latency, per kind the wall time from the first
   send to the last answer. Images as sha256 and mean only. No sleep phase.
+* ``sensenova_trace``: what ``benchmarks/sensenova_load.py`` times, as vLLM's
+  ``benchmark_serving.py`` loads a server: ``poisson_trace`` (``--trace-n`` requests arriving at
+  ``--trace-rate`` a second, Poisson, ``--trace-seed``; half text answers of
+  ``--text-prompt-chars``-byte prompts, a quarter think images, a quarter plain images, think
+  off, of ``--image-size``); one warm-up of each kind, one after another, untimed
+  (``sensenova_trace_warmup``); then ``sensenova_trace``: every request sent at its offset from
+  the first send, from a thread of its own (one a request: a request in flight never holds a
+  later one back), each recorded with its kind, offset, when it was sent, its latency and its
+  answer (text and think text cut to 200 characters, with their full length and sha256; images
+  as sha256, shape and mean); then ``sensenova_trace_alone`` (``--trace-alone K``): the first K
+  of each kind again, one at a time, for the answers to be compared. No sleep phase.
 * ``qwen``: ``qwen_t2i`` (``/v1/images/generations``), ``qwen_edit`` (``/v1/images/edits`` with
   two reference images), ``qwen_edit_chat`` (the same edit through ``/v1/chat/completions`` with
   two ``image_url`` parts), ``qwen_concurrent_N`` (N text-to-image requests of distinct seeds,
@@ -57,10 +68,12 @@ import hashlib
 import io
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -77,7 +90,10 @@ EDIT_PROMPT = "put the cube from the first image on the table from the second"
 SEED = 0
 IMAGE_SIZE = 32  # SenseNova-U1 tiny: 16 px per latent token; Qwen tiny: VAE 16x
 SLEEP_ENDPOINTS = ("/v1/omni/sleep", "/v1/omni/wakeup")
-SCENARIOS = ("sensenova", "sensenova_batch", "sensenova_load", "qwen", "qwen_t2i", "refusal")
+SCENARIOS = ("sensenova", "sensenova_batch", "sensenova_load", "sensenova_trace", "qwen",
+             "qwen_t2i", "refusal")
+# sensenova_trace's mix, (kind, weight): half text answers, a quarter each image kind.
+TRACE_MIX = (("text", 2), ("think_image", 1), ("image", 1))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,6 +111,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sensenova_load: the think images' height and width")
     p.add_argument("--text-prompt-chars", type=int, default=64,
                    help="sensenova_load: bytes of each text prompt (a token a byte here)")
+    p.add_argument("--trace-rate", type=float, default=1.0,
+                   help="sensenova_trace: requests a second (Poisson arrivals)")
+    p.add_argument("--trace-n", type=int, default=8, help="sensenova_trace: requests in the trace")
+    p.add_argument("--trace-seed", type=int, default=0,
+                   help="sensenova_trace: the seed of the arrival times and of the kinds' order")
+    p.add_argument("--trace-alone", type=int, default=0, metavar="K",
+                   help="sensenova_trace: after the trace, the first K requests of each kind "
+                        "again, one at a time")
     p.add_argument("--qwen-steps", type=int, default=4, help="Qwen steps: 0 extracts, rest replay")
     p.add_argument("--concurrent", type=int, default=8,
                    help="concurrent requests: Qwen's, and sensenova_batch's mixed ones")
@@ -107,6 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--env {item}: expected K=V")
     if args.sensenova_steps < 2 or args.qwen_steps < 2:
         p.error("steps must be >= 2 (one step divides by zero in the tiny schedulers)")
+    if not args.trace_rate > 0 or args.trace_n < 1 or args.trace_alone < 0:
+        p.error(f"--trace-rate {args.trace_rate}, --trace-n {args.trace_n}, --trace-alone "
+                f"{args.trace_alone}: expected a rate > 0, n >= 1 and K >= 0")
     return args
 
 
@@ -264,11 +291,13 @@ def sensenova_text(client, model: str, prompt: str, max_tokens: int) -> dict:
 
 
 def sensenova_think_image(client, model: str, steps: int, prompt: str = THINK_PROMPT,
-                          seed: int = SEED, size: int = IMAGE_SIZE) -> dict:
+                          seed: int = SEED, size: int = IMAGE_SIZE, think: bool = True) -> dict:
+    """A text-to-image request; ``think=False``: the plain one (the body says ``think: false``,
+    which the pipeline also assumes when it is absent)."""
     body, took = _timed(lambda: client.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": [{"type": "text", "text": prompt}]}],
         modalities=["image"], seed=seed,
-        extra_body={"think": True, "height": size, "width": size,
+        extra_body={"think": think, "height": size, "width": size,
                     "num_inference_steps": steps}))
     urls = chat_images(body)
     if len(urls) != 1:
@@ -479,24 +508,28 @@ def load_prompt(i: int, chars: int) -> str:
     return text[:chars]
 
 
+def _answer(a: dict) -> dict:
+    """A request function's result as the load scenarios record it: no pixels (the image's
+    sha256, shape and mean), text and think text cut to 200 characters beside their full length
+    and the sha256 of the whole (what answers are compared by)."""
+    entry = {k: v for k, v in a.items() if k != "image"}
+    if "image" in a:
+        entry["image_sha256"] = hashlib.sha256(a["image"].tobytes()).hexdigest()
+        entry["image_shape"] = list(a["image"].shape)
+        entry["image_mean"] = float(a["image"].mean())
+    for key, short in (("think_text", "think"), ("text", "text")):
+        if isinstance(entry.get(key), str):
+            entry[f"{short}_chars"] = len(entry[key])
+            entry[f"{short}_sha256"] = hashlib.sha256(entry[key].encode()).hexdigest()
+            entry[key] = entry[key][:200]
+    return entry
+
+
 def _loaded(fns: list) -> dict:
     """The requests of ``fns`` all at once: each one's latency and answer, the wall time."""
     answers, wall = concurrently(fns)
-    out = []
-    for a in answers:
-        entry = {k: v for k, v in a.items() if k != "image"}
-        if "image" in a:
-            entry["image_sha256"] = hashlib.sha256(a["image"].tobytes()).hexdigest()
-            entry["image_shape"] = list(a["image"].shape)
-            entry["image_mean"] = float(a["image"].mean())
-        if isinstance(entry.get("think_text"), str):
-            entry["think_chars"] = len(entry["think_text"])
-            entry["think_text"] = entry["think_text"][:200]
-        if isinstance(entry.get("text"), str):
-            entry["text_chars"] = len(entry["text"])
-            entry["text"] = entry["text"][:200]
-        out.append(entry)
-    return {"wall_s": wall, "latency_s": [a["s"] for a in answers], "answers": out}
+    return {"wall_s": wall, "latency_s": [a["s"] for a in answers],
+            "answers": [_answer(a) for a in answers]}
 
 
 def run_sensenova_load(rec: Recorder, client, url: str, model: str, args) -> None:
@@ -517,6 +550,137 @@ def run_sensenova_load(rec: Recorder, client, url: str, model: str, args) -> Non
           lambda: _loaded([(lambda i=i: text(i)) for i in range(n)]))
     _step(rec, f"sensenova_load_think_{n}",
           lambda: _loaded([(lambda i=i: think(i)) for i in range(n)]))
+
+
+def trace_request(i: int, kind: str, offset_s: float, prompt_chars: int) -> dict:
+    """Request ``i`` of the trace scenario: a text answer's prompt is ``load_prompt(i, ...)``; an
+    image's (think or plain) ``_nth(THINK_PROMPTS, i)`` with seed ``MIXED_SEED + i``: every
+    request distinct, the same in every run."""
+    if kind == "text":
+        return {"i": i, "kind": kind, "offset_s": offset_s,
+                "prompt": load_prompt(i, prompt_chars), "seed": SEED}
+    return {"i": i, "kind": kind, "offset_s": offset_s, "prompt": _nth(THINK_PROMPTS, i),
+            "seed": MIXED_SEED + i}
+
+
+def mix_counts(n: int, mix=TRACE_MIX) -> dict[str, int]:
+    """How many of ``n`` requests each kind of ``mix`` ((kind, weight), ...) gets: n times its
+    share rounded down, the requests left over one each to the largest remainders (ties in the
+    mix's order). Exact when n times each share is whole (the default mix: n divisible by 4);
+    otherwise each kind is within one request of n times its share."""
+    total = sum(w for _, w in mix)
+    counts = {kind: n * w // total for kind, w in mix}
+    by_remainder = sorted(range(len(mix)), key=lambda k: -(n * mix[k][1] % total))
+    for k in by_remainder[:n - sum(counts.values())]:
+        counts[mix[k][0]] += 1
+    return counts
+
+
+def poisson_trace(rate: float, n: int, seed: int, mix=TRACE_MIX,
+                  prompt_chars: int = 64) -> list[dict]:
+    """The ``sensenova_trace`` requests in sending order: ``n`` dicts (``trace_request``) whose
+    ``offset_s`` (seconds after the first send) are Poisson arrivals at ``rate`` a second, the
+    first at 0 and each gap exponential with mean 1/rate (vLLM's ``benchmark_serving.py``), and
+    whose kinds, counted by ``mix_counts``, are in an order drawn from ``seed``. A pure function
+    of its arguments (``random.Random(seed)``: the Mersenne Twister and ``expovariate``, the same
+    on every Python 3): every side meets the same trace. The order is drawn before the gaps and a
+    gap is ``-log(1 - u) / rate``, so one seed at another rate gives the same requests with the
+    offsets scaled by the ratio of the rates."""
+    rng = random.Random(seed)
+    kinds = [kind for kind, count in mix_counts(n, mix).items() for _ in range(count)]
+    rng.shuffle(kinds)
+    offsets, t = [], 0.0
+    for i in range(n):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return [trace_request(i, kind, offsets[i], prompt_chars) for i, kind in enumerate(kinds)]
+
+
+def _sent(spec: dict, send, start: float, started: threading.Event | None = None) -> dict:
+    """``spec`` sent now through ``send``: the spec and, in seconds after ``start``, when it was
+    sent (``sent_s``) and answered (``done_s``), its latency (``latency_s``: the HTTP round trip
+    as the client saw it) and answer (``_answer``), or its ``error``. ``started`` is set just
+    before the request goes out."""
+    record = dict(spec, sent_s=round(time.perf_counter() - start, 3))
+    if started is not None:
+        started.set()
+    try:
+        record.update(_answer(send(spec)))
+        record["latency_s"] = record.pop("s")
+    except Exception as exc:  # noqa: BLE001 - recorded per request; the trace goes on
+        record["error"] = f"{type(exc).__name__}: {exc}"
+    record["done_s"] = round(time.perf_counter() - start, 3)
+    return record
+
+
+def send_trace(trace: list[dict], send) -> dict:
+    """Each request of ``trace`` sent through ``send`` at its ``offset_s`` after the first send,
+    from a thread of its own (``len(trace)`` threads: a request in flight never delays a later
+    one's sending). The next request is dispatched only once the previous one's thread has taken
+    its send time, so the requests go out in trace order; a request sent late (the client fell
+    behind) says so in ``late_s_max``. ``wall_s``: from the first send to the last answer."""
+    records: list[dict | None] = [None] * len(trace)
+    start = time.perf_counter()
+
+    def one(k: int, started: threading.Event) -> None:
+        records[k] = _sent(trace[k], send, start, started)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(trace))) as pool:
+        for k, spec in enumerate(trace):
+            delay = start + spec["offset_s"] - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            started = threading.Event()
+            pool.submit(one, k, started)
+            started.wait()
+    return _with_errors({"wall_s": round(time.perf_counter() - start, 3),
+                         "late_s_max": round(max(r["sent_s"] - r["offset_s"] for r in records), 3),
+                         "requests": records})
+
+
+def _with_errors(entry: dict) -> dict:
+    """``entry`` with ``errors`` (how many of its requests failed) and, when some did, an
+    ``error`` naming the first: the step, and the driver's exit code, say so."""
+    failed = [r for r in entry["requests"] if "error" in r]
+    entry["errors"] = len(failed)
+    if failed:
+        entry["error"] = (f"{len(failed)} of {len(entry['requests'])} requests failed; request "
+                          f"{failed[0]['i']}: {failed[0]['error']}")
+    return entry
+
+
+def run_sensenova_trace(rec: Recorder, client, url: str, model: str, args) -> None:
+    """A warm-up of each kind, the trace at its arrival times, then (``--trace-alone K``) the
+    first K of each kind one at a time."""
+    trace = poisson_trace(args.trace_rate, args.trace_n, args.trace_seed,
+                          prompt_chars=args.text_prompt_chars)
+
+    def send(spec):
+        if spec["kind"] == "text":
+            return sensenova_text(client, model, spec["prompt"], args.text_tokens)
+        return sensenova_think_image(client, model, args.sensenova_steps, spec["prompt"],
+                                     spec["seed"], args.image_size,
+                                     think=spec["kind"] == "think_image")
+
+    def one_at_a_time(specs):
+        start = time.perf_counter()
+        return _with_errors({"requests": [_sent(s, send, start) for s in specs]})
+
+    warmups = [trace_request(args.trace_n + j, kind, 0.0, args.text_prompt_chars)
+               for j, (kind, _) in enumerate(TRACE_MIX)]  # past the trace: prompts of their own
+    _step(rec, "sensenova_trace_warmup", lambda: one_at_a_time(warmups))
+    params = {"rate": args.trace_rate, "n": args.trace_n, "seed": args.trace_seed,
+              "mix": dict(TRACE_MIX), "counts": mix_counts(args.trace_n)}
+    _step(rec, "sensenova_trace", lambda: params | send_trace(trace, send))
+    if args.trace_alone:
+        taken: dict[str, int] = {}
+        alone = []
+        for spec in trace:
+            if taken.get(spec["kind"], 0) < args.trace_alone:
+                taken[spec["kind"]] = taken.get(spec["kind"], 0) + 1
+                alone.append(spec)
+        _step(rec, "sensenova_trace_alone",
+              lambda: {"k": args.trace_alone} | one_at_a_time(alone))
 
 
 def run_qwen(rec: Recorder, client, url: str, model: str, args, only_t2i: bool = False) -> None:
@@ -581,6 +745,8 @@ def main(argv=None) -> int:
             run_sensenova_batch(rec, client, server.url, model, args)
         elif args.scenario == "sensenova_load":
             run_sensenova_load(rec, client, server.url, model, args)
+        elif args.scenario == "sensenova_trace":
+            run_sensenova_trace(rec, client, server.url, model, args)
         else:
             run_qwen(rec, client, server.url, model, args, only_t2i=args.scenario == "qwen_t2i")
         failed = any("error" in e for e in rec.report["requests"].values())
