@@ -2,7 +2,7 @@
 server: latency and throughput against request rate for the release, the plugin's request
 batching and its continuous batching (``--step-execution``), the same seeded trace for each.
 
-    python3 benchmarks/sensenova_load.py --out benchmarks/results/<folder> --rates 0.05,0.2 --n 40
+    python3 benchmarks/sensenova_load.py --out benchmarks/results/<folder> --rates 0.1,0.4 --n 40
                                          [--sides release,request,step] [--seed 0] [--alone 2]
                                          [--checkpoint DIR] [--tiny]
 
@@ -62,15 +62,14 @@ kind, and the equality counts), which is also printed. Each server's own folder
 Then ``OUT/latency-vs-rate.png`` (``plot_load.py``: p50 and p99 against rate, a panel per kind).
 Exits 1 when a server's driver did (a request failed, or the server did not start).
 
-Sides and rates may run in separate calls into one ``--out`` (``--sides step --rates 0.2``),
+Sides and rates may run in separate calls into one ``--out`` (``--sides step --rates 0.4``),
 each adding its runs to the file: a device call's time limit fits one server at a time. Each
 server takes its start (about 1.5 minutes at the released shape on a warm host; FA2's JIT adds
-2-2.6 minutes once on a cold one), the arrivals (n / rate: 800 s at 0.05 and 40 requests, 200 s
-at 0.2), the backlog left at the last arrival, and the alone requests. The release's capacity
+2-2.6 minutes once on a cold one), the arrivals (n / rate: 400 s at 0.1 and 40 requests, 100 s
+at 0.4), the backlog left at the last arrival, and the alone requests. The release's capacity
 for this mix is about 0.2 requests a second on one H200 (from the committed single-request
 figures: a think request 11.3 s, a plain one 4.3 s, a 256-token text answer about 1.8 s; mean
-4.8 s), so 0.05 is well below it and 0.2 about at it: add a rate such as 0.4 for one clearly
-above.
+4.8 s): the default rates, 0.1 and 0.4, are one below it and one above.
 
 The checkpoint (``--checkpoint``, written there unless complete; ``sensenova_serve.py``'s): the
 released shape with random bf16 weights drawn on the GPU, the byte-level tokenizer, end tokens
@@ -303,7 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sides", default=",".join(SIDES),
                     help=f"which servers to run now, in order ({', '.join(SIDES)})")
-    ap.add_argument("--rates", default="0.05,0.2",
+    ap.add_argument("--rates", default="0.1,0.4",
                     help="request rates (requests a second, comma list): one server each")
     ap.add_argument("--n", type=int, default=40, help="requests in the trace")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed (arrivals and kinds)")

@@ -477,7 +477,7 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
         result = _result(records, records[:2], wall=records[-1]["done_s"])
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
-        failed = "--step-execution" in args.serve_arg and args.trace_rate == 0.2
+        failed = "--step-execution" in args.serve_arg and args.trace_rate == 0.4
         return subprocess.CompletedProcess(cmd, 1 if failed else 0)
 
     monkeypatch.setattr(load.serve.subprocess, "run", driver)
@@ -486,29 +486,29 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
     assert load.main(argv) == 1
     record = json.loads((out / load.FILE).read_text())
     assert {side: sorted(runs) for side, runs in record["runs"].items()} == {
-        "release": ["0.05", "0.2"], "request": ["0.05", "0.2"], "step": ["0.05", "0.2"]}
+        "release": ["0.1", "0.4"], "request": ["0.1", "0.4"], "step": ["0.1", "0.4"]}
     model_args = ["--model-class-name", "SenseNovaU1Pipeline"]
     assert [(a.serve_arg, env["VLLM_OMNI_GRAPHDECODE"], "VLLM_OMNI_GRAPHDECODE_STATS_FILE" in env)
             for a, env in calls[::2]] == [
         (model_args + ["--max-num-seqs", "1"], "0", False),
         (model_args + ["--max-num-seqs", "8", "--request-batch-max-wait-ms", "100"], "1", True),
         (model_args + ["--step-execution", "--max-num-seqs", "16"], "1", True)]
-    assert [a.trace_rate for a, _ in calls] == [0.05, 0.2] * 3
+    assert [a.trace_rate for a, _ in calls] == [0.1, 0.4] * 3
     assert {(a.scenario, a.trace_n, a.trace_seed, a.trace_alone, a.image_size, a.text_tokens,
              a.sensenova_steps, a.text_prompt_chars) for a, _ in calls} == {
         ("sensenova_trace", 8, 5, 2, 1024, 256, 50, 500)}
-    step = record["runs"]["step"]["0.05"]
+    step = record["runs"]["step"]["0.1"]
     assert step["serve_args"] == model_args + ["--step-execution", "--max-num-seqs", "16"]
     assert step["summary"]["kinds"]["all"]["completed"] == 8
     assert step["summary"]["same_as_release"]["equal"] == 8
-    assert record["summary"]["failed"] == [{"side": "step", "rate": 0.2, "rc": 1, "error": None}]
+    assert record["summary"]["failed"] == [{"side": "step", "rate": 0.4, "rc": 1, "error": None}]
     assert len(record["summary"]["rows"]) == 3 * 2 * 4
     assert record["trace"] == {"n": 8, "seed": 5, "size": 1024, "steps": 50, "text_tokens": 256,
                                "text_prompt_chars": 500, "alone": 2, "tiny": False}
     # a later call adds its rate to the same file
-    assert load.main(argv + ["--sides", "request", "--rates", "0.4"]) == 0
+    assert load.main(argv + ["--sides", "request", "--rates", "0.2"]) == 0
     record = json.loads((out / load.FILE).read_text())
-    assert sorted(record["runs"]["request"]) == ["0.05", "0.2", "0.4"]
+    assert sorted(record["runs"]["request"]) == ["0.1", "0.2", "0.4"]
     assert len(record["environment"]["commands"]) == 2
     with pytest.raises(SystemExit) as exc:
         load.main(argv[:-5] + ["--n", "9", "--seed", "5", "--no-plot"])
