@@ -136,36 +136,55 @@ def test_a_stop_token_inside_a_launch_ends_the_loop_there(tiny, eager, stop, mon
     assert stats.get(MODEL, "token_launch") == (3 if i <= 28 else 4)
 
 
+def _loop(tiny, k, *, swap_at=None, shift_at=None, shift=0, steps=30):
+    """A loop through the decoder API: it feeds back each token it is given, at consecutive
+    positions, except another token at ``swap_at`` and, from ``shift_at`` on, positions moved
+    by ``shift``. Returns the (token, position) pairs fed, the tokens served and the cache
+    written back."""
+    out, cache, t_idx = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
+    token = int(pick(out.logits))
+    dec = hook.paged_decoder(tiny.lm, kernel=kernels.REFERENCE, buckets=(32, 64),
+                             graphs=False, fusion=None, kv_writer=None, tokens_per_launch=k)
+    fed, got = [], []
+    with torch.inference_mode():
+        dec.begin(cache)
+        ahead = dec.lookahead()
+        for i in range(steps):
+            if i == swap_at:
+                token = (token + 7) % 90
+            position = t_idx + 1 + i + (shift if shift_at is not None and i >= shift_at else 0)
+            fed.append((token, position))
+            token = ahead.next(token, position)
+            got.append(token)
+        ahead.drain()
+        dec.write_back(cache)
+    return fed, got, cache
+
+
+def _same_loop(got, want):
+    fed, tokens, cache = got
+    assert fed == want[0] and tokens == want[1]
+    assert cache.get_seq_length() == want[2].get_seq_length() == PROMPT + len(fed)
+    for a, b in zip(cache.layers, want[2].layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+
+
 def test_a_loop_that_feeds_another_token_gets_what_the_per_token_path_gives(tiny):
     """Through the decoder API: feed the device's tokens for a while, then another token; what
     follows equals one-launch-per-token decoding of the same fed sequence."""
-    out, cache, t_idx = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
-    first = int(pick(out.logits))
+    _same_loop(_loop(tiny, 4, swap_at=6), _loop(tiny, 1, swap_at=6))
 
-    def run(k, swap_at):
-        _, cache, _ = st.prefill(st.build_pipeline(tiny.lm, tiny.tok), tiny.ids)
-        dec = hook.paged_decoder(tiny.lm, kernel=kernels.REFERENCE, buckets=(32, 64),
-                                 graphs=False, fusion=None, kv_writer=None, tokens_per_launch=k)
-        with torch.inference_mode():
-            dec.begin(cache)
-            ahead = dec.lookahead()
-            token, fed, got = first, [], []
-            for i in range(30):
-                if i == swap_at:
-                    token = (token + 7) % 90
-                fed.append(token)
-                token = ahead.next(token, t_idx + 1 + i)
-                got.append(token)
-            ahead.drain()
-            dec.write_back(cache)
-        return fed, got, cache
 
-    fed4, got4, cache4 = run(4, swap_at=6)
-    fed1, got1, cache1 = run(1, swap_at=6)
-    assert fed4 == fed1 and got4 == got1
-    assert cache4.get_seq_length() == cache1.get_seq_length() == PROMPT + 30
-    for a, b in zip(cache4.layers, cache1.layers):
-        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-4)
+@pytest.mark.parametrize("shift_at", [2, 4], ids=["inside_a_launch", "first_of_the_chained"])
+def test_a_loop_that_feeds_the_devices_token_at_another_position_gets_a_step_at_that_position(
+        tiny, shift_at):
+    """The loop feeds the token the device fed, but its position jumps by 3: it must not be
+    served what the launch decoded at the old position. k = 4 from a 20-token prompt: the first
+    launch feeds #0-3 and chains the next from #4, so #2 checks the launch's own position and #4
+    the chained launch's. The keys, rotated by position, show a token served from the launch."""
+    want = _loop(tiny, 1, shift_at=shift_at, shift=3)  # k = 1: no launch, one step a token
+    _same_loop(_loop(tiny, 4, shift_at=shift_at, shift=3), want)
+    assert stats.get(MODEL, "token_launch") > 1
 
 
 def _sampled(pipe, tiny, seed, temperature=0.7, steps=40):
