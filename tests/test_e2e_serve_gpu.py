@@ -28,6 +28,9 @@ decode serves every request on both releases.
                                    for SenseNova-U1 (its class does not declare it) before
                                    loading anything, "'SenseNovaU1Pipeline' does not support
                                    request-level batching"; the server must not start
+    sensenova_step_off / _on       =0 / =1 with ``--step-execution --max-num-seqs 16`` (issue
+                                   #41): off, vLLM-Omni's runner refuses at load; on, the
+                                   ``sensenova_batch`` scenario, each answer as alone
     sensenova_batch8_on            =1 with ``--max-num-seqs 8`` (issue #22: the plugin declares
                                    request batching): the server starts; 4 text answers and 4
                                    think images (distinct prompts and seeds) sent at once, then
@@ -106,6 +109,7 @@ QWEN_ARGS = ["--diffusion-load-format", "diffusers",
              "--diffusers-call-kwargs", json.dumps({"output_resolution": 32})]
 SENSENOVA_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
 BATCH_ARGS = ["--max-num-seqs", str(CONCURRENT)]
+STEP_ARGS = ["--step-execution", "--max-num-seqs", "16"]
 BAD = ("VLLM_OMNI_GRAPHDECODE_QWEN_MODE", "turbo")
 # name: (model, scenario, plugin env, extra serve args, extra PYTHONPATH entries)
 CASES = {
@@ -122,6 +126,10 @@ CASES = {
                              SENSENOVA_ARGS + BATCH_ARGS, []),
     "sensenova_batch8_on": ("sensenova_u1", "sensenova_batch", {"VLLM_OMNI_GRAPHDECODE": "1"},
                             SENSENOVA_ARGS + BATCH_ARGS, []),
+    "sensenova_step_off": ("sensenova_u1", "refusal", {"VLLM_OMNI_GRAPHDECODE": "0"},
+                           SENSENOVA_ARGS + STEP_ARGS, []),
+    "sensenova_step_on": ("sensenova_u1", "sensenova_batch", {"VLLM_OMNI_GRAPHDECODE": "1"},
+                          SENSENOVA_ARGS + STEP_ARGS, []),
     "qwen_cannot_wire": ("qwen_image_21", "qwen_t2i", {"VLLM_OMNI_GRAPHDECODE": "1"}, QWEN_ARGS,
                          [MOVED_SHIM]),
     "bad_variable": ("qwen_image_21", "refusal", {"VLLM_OMNI_GRAPHDECODE": "1", BAD[0]: BAD[1]},
@@ -156,6 +164,10 @@ IN_TREE_DECODE = OMNI_RELEASE >= (0, 30)
 # batched text answers never came back and failed after the engine's 30 s timeout).
 BATCHING = OMNI_RELEASE >= (0, 28)
 NOT_DECLARED = "request batching not declared: this vllm-omni loses batched outputs"
+# vLLM-Omni's step execution (``--step-execution``) is in 0.28 and 0.30; its runner refuses a
+# pipeline without the protocol at load (diffusion_model_runner.py, 0.28 and 0.30).
+STEPS = OMNI_RELEASE >= (0, 28)
+NO_STEP_PROTOCOL = "step_execution=True requires a pipeline implementing"
 
 
 def _run_case(name: str, ckpts: dict[str, str], outdir: str, timeout: int) -> dict:
@@ -719,6 +731,39 @@ def test_worker_counters_show_batched_forwards_and_launches_of_several_requests(
     launched = [s for s in run["result"]["final_stats"]
                 if (s.get("counters") or {}).get("sensenova_u1.batch_launch")]
     assert all(s["pid"] != run["result"]["client_pid"] for s in launched), launched
+
+
+def test_sensenova_step_execution_with_plugin_off_is_refused_at_load(runs):
+    """Plugin off: SenseNova-U1 implements no step-execution protocol, and vLLM-Omni's runner
+    refuses ``--step-execution`` at load (0.28 and 0.30)."""
+    if not STEPS:
+        pytest.skip(f"vllm-omni {OMNI_RELEASE}: no step execution")
+    run = runs["sensenova_step_off"]
+    result = run["result"] or {}
+    assert result.get("start") == "exited", f"sensenova_step_off: server {result.get('start')}"
+    assert NO_STEP_PROTOCOL in re.sub(r"\x1b\[[0-9;]*m", "", run["log"]), _tail(run)
+
+
+def test_sensenova_step_execution_with_plugin_on_serves_mixed_requests_as_each_alone(runs):
+    """Plugin on, ``--step-execution --max-num-seqs 16`` (issue #41): the server starts; 4 text
+    answers and 4 think images sent at once each equal the same request sent alone afterwards,
+    exactly; the worker ran ticks, and a launch decoded several requests' rows (text answers
+    and think decode share launches in step mode)."""
+    if not STEPS:
+        pytest.skip(f"vllm-omni {OMNI_RELEASE}: no step execution")
+    run = runs["sensenova_step_on"]
+    result = run["result"] or {}
+    assert result.get("start") == "ready", f"sensenova_step_on: server {result.get('start')}. " \
+                                           f"{_tail(run)}"
+    _ok(run, MIXED)
+    ok, detail = mixed_equal(run)
+    print(f"sensenova_step_on {MIXED}: {detail}")
+    assert ok, detail
+    counters = _counters(run)
+    assert counters.get("sensenova_u1.step_tick", 0) > 0, counters
+    assert counters.get("sensenova_u1.step_admission_widened", 0) > 0, counters
+    evidence = batch_evidence(run)
+    assert evidence["several_rows_in_one_launch"], evidence
 
 
 @pytest.mark.parametrize("case", ["sensenova_off", "qwen_off"])
