@@ -604,3 +604,22 @@ def test_the_denoiser_keeps_a_live_entry_for_every_branch_of_every_running_reque
     assert getattr(pipe, wiring.IMAGE_ATTR).graphs.max_entries == denoise.BRANCHES * 16 == 48
     pipe = _pipeline(checkpoint, cfg=cfg, rows=2)
     assert getattr(pipe, wiring.IMAGE_ATTR).graphs.max_entries == cfg.max_entries
+
+
+def test_many_requests_through_the_steps_leave_no_thread_row_or_member_behind(server):
+    """Forty short answers joining a running batch two at a time: every one answered, and when
+    the last has left, no request thread, batch row or step member remains (the CPU side of
+    the GPU test's flat device memory over 200 requests)."""
+    import threading
+
+    srv = server()
+    for n in range(40):
+        srv.add(_request(900 + n, f"request number {n}", text=3 + n % 7))
+        if n % 2:
+            srv.tick()
+    outputs = srv.run()
+    assert len(outputs) == 40 and all(out.error is None for out in outputs.values())
+    assert _members(srv) == {} and steps.requests_of(srv.pipe).ticks.members == []
+    assert not any(getattr(srv.pipe, hook.STATE_ATTR).batch.decoder.rows)
+    ours = [t.name for t in threading.enumerate() if t.name.startswith("graphdecode-")]
+    assert ours == []
