@@ -61,15 +61,24 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _fresh_plugin_state():
-    """Each test starts with the plugin's process-wide config and stats cleared."""
+    """Each test starts with the plugin's process-wide config and stats cleared, and ends
+    without the import hooks a test's ``register()`` left pending (a hook on a module no test
+    had imported yet would otherwise fire in a later test) or the engine-side admission patch
+    it made."""
     from vllm_omni_graphdecode import config
-    from vllm_omni_graphdecode.core import stats
+    from vllm_omni_graphdecode.core import loading, stats
 
     config.reset_for_tests()
     stats.reset()
     yield
     config.reset_for_tests()
     stats.reset()
+    loading._finder.callbacks.clear()
+    if loading._finder in sys.meta_path:
+        sys.meta_path.remove(loading._finder)
+    steps = sys.modules.get("vllm_omni_graphdecode.hooks.sensenova_u1.steps")
+    if steps is not None:
+        steps.undo_step_admission()
 
 
 @pytest.fixture

@@ -174,6 +174,7 @@ def test_members_see_the_context_variables_of_the_thread_that_started_them():
 def widened():
     from vllm_omni.diffusion.sched import step_scheduler
 
+    steps.undo_step_admission()  # another test's register() may have widened it already
     line = steps.widen_step_admission(step_scheduler, _cfg())
     yield line
     steps.undo_step_admission()
@@ -530,6 +531,10 @@ def test_a_request_for_two_images_joins_a_running_step_batch(server, checkpoint)
 def bare_class():
     """The real pipeline class without any declaration of this plugin, restored after the test
     (declarations are process-wide: an earlier test's may be in place)."""
+    # Imported first: a patch another test's register() left pending runs now, then goes.
+    from vllm_omni.diffusion.sched import step_scheduler  # noqa: F401
+
+    steps.undo_step_admission()
     cls = rm.pipeline_module().SenseNovaU1Pipeline
     names = (*steps.PROTOCOL, "supports_step_execution", "supports_request_cancellation",
              "supports_request_batch", "forward", "_denoise")
