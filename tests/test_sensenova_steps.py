@@ -258,13 +258,15 @@ def test_a_text_request_that_names_no_steps_is_admitted_as_one_step(widened):
 @pytest.fixture
 def server(checkpoint, widened):  # noqa: F811
     def make(rows=4, max_num_seqs=8, **install):
-        pipe = _pipeline(checkpoint, rows=rows, **install)
+        # As in a server: the class is declared at import, before the pipeline is loaded.
         hook.declare_batching(rm.pipeline_module(), _cfg())
+        pipe = _pipeline(checkpoint, rows=rows, **install)
         return rm.StepServer(pipe, max_num_seqs=max_num_seqs)
     return make
 
 
 def _alone(checkpoint, requests):  # noqa: F811
+    hook.declare_batching(rm.pipeline_module(), _cfg())  # as a server declares it
     pipe = _pipeline(checkpoint)
     return {r.request_id: _answer(pipe.forward(_batch([r]))) for r in requests}
 

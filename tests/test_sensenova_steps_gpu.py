@@ -41,8 +41,8 @@ MODEL = hook.MODEL
 @pytest.fixture
 def server(checkpoint, widened):  # noqa: F811
     def make(rows=8, max_num_seqs=16, **install):
+        hook.declare_batching(rm.pipeline_module(), _cfg())  # at import, before the load
         pipe = _pipeline(checkpoint, rows=rows, **install)
-        hook.declare_batching(rm.pipeline_module(), _cfg())
         return rm.StepServer(pipe, max_num_seqs=max_num_seqs, device="cuda")
     return make
 
