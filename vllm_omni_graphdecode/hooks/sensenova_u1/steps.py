@@ -146,7 +146,6 @@ class StepRequests:
         self.ticks = turns.Ticks(self._launch, name="graphdecode-sensenova-step",
                                  setup=member.run)
         self.members: dict[str, turns.TickMember] = {}
-        self.requests: dict[str, object] = {}
 
     def _launch(self) -> None:
         decoder = self.batch.decoder if self.batch is not None else None
@@ -172,7 +171,6 @@ class StepRequests:
         if old is not None:
             self.ticks.stop(old, _aborted("request id reused"))
         self.members[state.request_id] = self.ticks.add(body)
-        self.requests[state.request_id] = request
         stats.count(MODEL, "step_request")
         if self.batch is None:
             stats.degraded(MODEL, NO_BATCHED_DECODE.because("the pipeline has no request batch "
@@ -214,7 +212,8 @@ class StepRequests:
         member = self.members.get(rid)
         self._drop(rid)
         if member is None:
-            return _error(RuntimeError(f"request {rid} has no step-execution member"))
+            return batch_mod._error_output(
+                RuntimeError(f"request {rid} has no step-execution member"))
         stats.count(MODEL, "step_finished")
         if member.error is not None:
             return batch_mod._error_output(member.error)
@@ -222,7 +221,6 @@ class StepRequests:
 
     def _drop(self, rid: str) -> None:
         member = self.members.pop(rid, None)
-        self.requests.pop(rid, None)
         if member is not None:
             self.ticks.forget(member)
 
@@ -233,10 +231,6 @@ def _aborted(why: str) -> BaseException:
     except ImportError:  # older releases
         return RuntimeError(f"request aborted: {why}")
     return DiffusionRequestAbortedError(f"request aborted: {why}")
-
-
-def _error(exc: BaseException):
-    return batch_mod._error_output(exc)
 
 
 def requests_of(pipeline) -> StepRequests:
