@@ -90,8 +90,12 @@ EDIT_PROMPT = "put the cube from the first image on the table from the second"
 SEED = 0
 IMAGE_SIZE = 32  # SenseNova-U1 tiny: 16 px per latent token; Qwen tiny: VAE 16x
 SLEEP_ENDPOINTS = ("/v1/omni/sleep", "/v1/omni/wakeup")
-SCENARIOS = ("sensenova", "sensenova_batch", "sensenova_load", "sensenova_trace", "qwen",
-             "qwen_t2i", "refusal")
+SCENARIOS = ("sensenova", "sensenova_batch", "sensenova_step", "sensenova_load",
+             "sensenova_trace", "qwen", "qwen_t2i", "refusal")
+# sensenova_step's disconnect: the client gives up on a long text answer after this many seconds
+# (closing its connection), and the answer could not end before it at these many tokens.
+DISCONNECT_AFTER_S = 1.5
+DISCONNECT_TOKENS = 2000
 # sensenova_trace's mix, (kind, weight): half text answers, a quarter each image kind.
 TRACE_MIX = (("text", 2), ("think_image", 1), ("image", 1))
 
@@ -498,6 +502,29 @@ def run_sensenova_batch(rec: Recorder, client, url: str, model: str, args) -> No
     _step(rec, kind, mixed)
 
 
+def run_sensenova_step(rec: Recorder, client, url: str, model: str, args) -> None:
+    """``sensenova_batch``'s mixed requests, then a client that hangs up: a long text answer whose
+    client gives up after ``DISCONNECT_AFTER_S`` (its HTTP connection closes), then the first
+    mixed request again. The server must abort the request it was serving (the counters say
+    whether its batch member was stopped) and answer the next one as before."""
+    run_sensenova_batch(rec, client, url, model, args)
+    first = sensenova_mixed(args.concurrent)[0]
+
+    def disconnect():
+        import openai
+
+        impatient = make_client(url, DISCONNECT_AFTER_S)
+        try:
+            sensenova_text(impatient, model, first["prompt"], DISCONNECT_TOKENS)
+            cut = False
+        except openai.APITimeoutError:
+            cut = True
+        time.sleep(3 * DISCONNECT_AFTER_S)  # the server notices and aborts at its next step
+        after = sensenova_text(client, model, first["prompt"], args.text_tokens)
+        return {"cut": cut, "after": rec.entry("sensenova_disconnect_after", after)}
+    _step(rec, "sensenova_disconnect", disconnect)
+
+
 def load_prompt(i: int, chars: int) -> str:
     """Text prompt ``i`` of the load scenario: ``chars`` bytes of words, distinct for each ``i``
     and the same in every run."""
@@ -743,6 +770,8 @@ def main(argv=None) -> int:
             run_sensenova(rec, client, server.url, model, args)
         elif args.scenario == "sensenova_batch":
             run_sensenova_batch(rec, client, server.url, model, args)
+        elif args.scenario == "sensenova_step":
+            run_sensenova_step(rec, client, server.url, model, args)
         elif args.scenario == "sensenova_load":
             run_sensenova_load(rec, client, server.url, model, args)
         elif args.scenario == "sensenova_trace":

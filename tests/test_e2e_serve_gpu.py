@@ -30,7 +30,8 @@ decode serves every request on both releases.
                                    request-level batching"; the server must not start
     sensenova_step_off / _on       =0 / =1 with ``--step-execution --max-num-seqs 16`` (issue
                                    #41): off, vLLM-Omni's runner refuses at load; on, the
-                                   ``sensenova_batch`` scenario, each answer as alone
+                                   ``sensenova_step`` scenario: ``sensenova_batch``'s, each
+                                   answer as alone, then a client that hangs up mid-answer
     sensenova_batch8_on            =1 with ``--max-num-seqs 8`` (issue #22: the plugin declares
                                    request batching): the server starts; 4 text answers and 4
                                    think images (distinct prompts and seeds) sent at once, then
@@ -128,7 +129,7 @@ CASES = {
                             SENSENOVA_ARGS + BATCH_ARGS, []),
     "sensenova_step_off": ("sensenova_u1", "refusal", {"VLLM_OMNI_GRAPHDECODE": "0"},
                            SENSENOVA_ARGS + STEP_ARGS, []),
-    "sensenova_step_on": ("sensenova_u1", "sensenova_batch", {"VLLM_OMNI_GRAPHDECODE": "1"},
+    "sensenova_step_on": ("sensenova_u1", "sensenova_step", {"VLLM_OMNI_GRAPHDECODE": "1"},
                           SENSENOVA_ARGS + STEP_ARGS, []),
     "qwen_cannot_wire": ("qwen_image_21", "qwen_t2i", {"VLLM_OMNI_GRAPHDECODE": "1"}, QWEN_ARGS,
                          [MOVED_SHIM]),
@@ -764,6 +765,23 @@ def test_sensenova_step_execution_with_plugin_on_serves_mixed_requests_as_each_a
     assert counters.get("sensenova_u1.step_admission_widened", 0) > 0, counters
     evidence = batch_evidence(run)
     assert evidence["several_rows_in_one_launch"], evidence
+
+
+def test_sensenova_step_execution_client_that_hangs_up_stops_its_request_and_the_next_answers(runs):
+    """Plugin on, step execution (issue #41): a client gives up on a long text answer and closes
+    its connection; the server aborts the request, the worker stops that request's member at its
+    next step (``step_stopped``), and the next request answers exactly as the same prompt did
+    in the mixed phase."""
+    if not STEPS:
+        pytest.skip(f"vllm-omni {OMNI_RELEASE}: no step execution")
+    run = runs["sensenova_step_on"]
+    entry = _ok(run, "sensenova_disconnect")
+    assert entry["cut"], ("the long answer ended before the client gave up: nothing was "
+                          "aborted, so this run proves nothing about a disconnect")
+    mixed = _ok(run, MIXED)
+    assert entry["after"]["text"] == mixed["serial"][0]["text"]
+    counters = _counters(run)
+    assert counters.get("sensenova_u1.step_stopped", 0) >= 1, counters
 
 
 @pytest.mark.parametrize("case", ["sensenova_off", "qwen_off"])
