@@ -82,15 +82,32 @@ def _no_room(monkeypatch, decoder, free_blocks):
 # ------------------------------------------------------------------ the batched decode
 
 
+def _longest_row(monkeypatch, decoder):
+    """Record the most tokens any row of ``decoder`` reserves (its last launch's need)."""
+    seen = [0]
+    real = decoder._reserve
+
+    def reserve(index, tokens):
+        seen[0] = max(seen[0], tokens)
+        return real(index, tokens)
+
+    monkeypatch.setattr(decoder, "_reserve", reserve)
+    return seen
+
+
 def test_gpu_batch_rows_without_room_wait_or_swap_and_answer_bit_for_bit(checkpoint, monkeypatch):  # noqa: F811
-    """100 free blocks: the think row (a ~250-token prompt and 1,024 think tokens, ~80 blocks)
-    fits alone, not beside the texts (at 80 it did not fit even alone, seen on the H200). Rows wait and are swapped to host memory and back; every answer, the think image and
-    the sampled text included, is bit for bit the answer with room."""
+    """Room for the longest row alone and a few blocks more: two think rows (a ~570-token prompt
+    and 1,024 think tokens each, ~101 blocks at their last launch; seen on the H200: with 100
+    blocks the think row did not fit even alone) cannot both grow. Rows wait and are swapped to
+    host memory and back; every answer, the think images and the sampled text included, is bit
+    for bit the answer with room. The pool's size comes from the run with room, not a guess."""
     pipe = _pipeline(checkpoint)
-    requests = _requests()
+    requests = _requests() + [_request(5, "a think image of a harbour at dusk", think=True)]
+    decoder = _decoder(pipe)
+    longest = _longest_row(monkeypatch, decoder)
     want = _together(pipe, requests)
     stats.reset()
-    _no_room(monkeypatch, _decoder(pipe), 100)
+    _no_room(monkeypatch, decoder, batch_decode.blocks_for(longest[0]) + 4)
     assert _together(pipe, requests) == want
     assert stats.get(MODEL, "batch_row_swapped") + stats.get(MODEL, "batch_row_waited") >= 1
     assert stats.get(MODEL, "eager_step") == 0
@@ -201,12 +218,15 @@ def test_gpu_refused_batch_draws_a_sampled_answer_from_its_own_stream(checkpoint
 
 
 def _one_at_a_time(pipe, requests, calls=None):
+    """Each request alone; ``calls["seen"]`` gets how many ``calls["n"]`` each one reached."""
     out = []
     for r in requests:
         torch.manual_seed(3)  # the one-request path samples from the device's generator
         if calls is not None:
             calls["n"] = 0
         out.append(_answer(pipe.forward(_batch([r]))))
+        if calls is not None:
+            calls.setdefault("seen", []).append(calls["n"])
     return out
 
 
@@ -217,10 +237,10 @@ def _one_request_requests():
 
 
 def test_gpu_one_request_release_inside_the_decode_changes_no_answer(checkpoint, monkeypatch):  # noqa: F811
-    """Sleep's release at the 30th, 31st and 200th token a request's session serves (mid-launch:
-    the launch running ahead is served; twice more: counted once a request). The pipeline's own
-    ``_ar_step`` is no place to count tokens: the token loop serves most of them from launches
-    (seen on the H200: one request of three reached its 30th call)."""
+    """Sleep's release at the 30th, 31st and 200th call a request's session runs (mid-launch:
+    the launch running ahead is served; twice more: counted once a request). Counted for each
+    request that reached its 30th call: a short answer ends before (seen on the H200: one or two
+    of three reach it, as the answers' lengths fall); the think request always does."""
     pipe = _pipeline(checkpoint, rows=1)
     requests = _one_request_requests()
     want = _one_at_a_time(pipe, requests)
@@ -235,7 +255,9 @@ def test_gpu_one_request_release_inside_the_decode_changes_no_answer(checkpoint,
 
     monkeypatch.setattr(ar_session.Session, "_run", run)
     assert _one_at_a_time(pipe, requests, calls) == want
-    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.RELEASED}") == len(requests)
+    reached = sum(n >= 30 for n in calls["seen"])
+    assert calls["seen"][2] >= 30, calls["seen"]  # the think request's 1,024 tokens
+    assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.RELEASED}") == reached
     assert stats.get(MODEL, "eager_step") == 0
 
 
@@ -257,13 +279,38 @@ def test_gpu_one_request_failed_capture_changes_no_answer_until_a_release(checkp
     assert stats.get(MODEL, "replay") > 0
 
 
+def _longest_request(monkeypatch):
+    """The most tokens each request's paged buffers are asked to hold (one entry a request)."""
+    lengths = []
+    real = paged_decode.PagedKVCache.reserve
+
+    def reserve(self, length):
+        if lengths:
+            lengths[-1] = max(lengths[-1], length)
+        return real(self, length)
+
+    monkeypatch.setattr(paged_decode.PagedKVCache, "reserve", reserve)
+    return lengths, real
+
+
 def test_gpu_one_request_that_cannot_grow_its_buffers_finishes_on_cuda(checkpoint, monkeypatch):  # noqa: F811
-    """Buffers past the pre-captured 256-token bucket cannot be allocated: each request is
-    handed back there and finishes on the pipeline's eager path on CUDA, from the tokens it
-    had (its first ~200 tokens are the ones it decodes with room)."""
+    """Buffers past the 256-token bucket cannot be allocated: each request that needs more is
+    handed back there (the think request, whose prompt alone is longer, at its start) and
+    finishes on the pipeline's eager path on CUDA; a request that starts below 256 keeps the
+    tokens it decoded with room. Both runs start from released buffers (sleep level 2): the
+    buffers a longer request grew would otherwise serve the next without allocating (seen on
+    the H200: no request was handed back)."""
     pipe = _pipeline(checkpoint, rows=1)
     requests = _one_request_requests()
-    want = _one_at_a_time(pipe, requests)
+    lengths, real_reserve = _longest_request(monkeypatch)
+    want = []
+    for r in requests:
+        pipe.release_captured_graphs()
+        lengths.append(0)
+        want += _one_at_a_time(pipe, [r])
+    monkeypatch.setattr(paged_decode.PagedKVCache, "reserve", real_reserve)
+    longer = [n > 256 for n in lengths]
+    assert longer[2], lengths  # the think request: a ~570-token prompt
     stats.reset()
     real = paged_decode._alloc
 
@@ -273,11 +320,18 @@ def test_gpu_one_request_that_cannot_grow_its_buffers_finishes_on_cuda(checkpoin
         return real(shape, dtype, device)
 
     monkeypatch.setattr(paged_decode, "_alloc", alloc)
-    got = _one_at_a_time(pipe, requests)  # _answer asserts no request failed
-    assert stats.fallbacks(MODEL).get(OOM_KEY) == len(requests)
+    got = []
+    for r in requests:
+        pipe.release_captured_graphs()
+        got += _one_at_a_time(pipe, [r])  # _answer asserts no request failed
+    assert stats.fallbacks(MODEL).get(OOM_KEY) == sum(longer), lengths
     assert stats.get(MODEL, "eager_step") > 0
-    assert got[0][:100] == want[0][:100]
-    assert got[2][1][:100] == want[2][1][:100]  # the think text before the hand-back
+    for i in (0, 1):
+        if longer[i]:
+            assert got[i][:100] == want[i][:100]  # decoded with room before the hand-back
+        else:
+            assert got[i] == want[i]
+    assert got[2][0] and got[2][1]  # the think image and its think text, decoded eagerly
 
 
 # ------------------------------------------------------------------ the model changed mid-request

@@ -10,8 +10,8 @@ The claims, each a test below:
 * sleep level 2 while requests are in flight changes no answer, and the next requests capture
   again;
 * an aborted request leaves its row at the next step, the others unchanged;
-* no room for a new row's K/V: the row waits (or is handed back, finishing on the eager step on
-  the device), the answers are the ones with room;
+* no room for a row's K/V: rows wait (or are handed back, finishing on the eager step on the
+  device), the answers are the ones with room;
 * device memory is flat over 200 requests served step by step.
 """
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from vllm_omni_graphdecode.core import reasons, stats
+from vllm_omni_graphdecode.decode.batch import decoder as batch_decode
 from vllm_omni_graphdecode.decode.batch import turns
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import steps
@@ -117,22 +118,29 @@ def test_gpu_an_aborted_request_leaves_its_row_and_the_others_are_untouched(serv
     assert {r.request_id: _answer(outputs[r.request_id]) for r in kept} == _alone(srv, kept)
 
 
-@pytest.mark.parametrize("free_blocks", [3, 0], ids=["rows-wait", "handed-back"])
-def test_gpu_no_room_for_a_rows_kv_keeps_every_answer(server, monkeypatch, free_blocks):
-    """The pool cannot grow (out of memory): with a few free blocks the rows take turns
-    (waits, swaps); with none a row is handed back and finishes on the pipeline's eager step on
-    the device (issue #39: that hand-back failed on CUDA)."""
+@pytest.mark.parametrize("room", ["rows-wait", "handed-back"])
+def test_gpu_no_room_for_a_rows_kv_keeps_every_answer(server, monkeypatch, room):
+    """The pool cannot grow (out of memory). ``rows-wait``: room for the longest row alone and
+    a few blocks more (measured on the requests alone, not guessed), so the two think rows
+    cannot both grow: rows take turns (waits, swaps) and every answer is the one with room.
+    ``handed-back``: no free block; every row is handed back and finishes on the pipeline's
+    eager step on the device (issue #39: that hand-back failed on CUDA)."""
+    from test_faults_gpu import _longest_row
+
     requests = [_request(30, "first", text=100), _request(31, "second", text=140),
-                _request(32, "a think image", think=True)]
+                _request(32, "a think image", think=True),
+                _request(33, "a think image of a harbour at dusk", think=True)]
     srv = server()
     srv.tick()  # nothing scheduled yet: builds nothing
+    decoder = getattr(srv.pipe, hook.STATE_ATTR).batch._decoder()
+    longest = _longest_row(monkeypatch, decoder)
     want = _alone(srv, requests)
     stats.reset()
-    decoder = getattr(srv.pipe, hook.STATE_ATTR).batch._decoder()
 
     def grow(blocks, width=None):
         raise torch.OutOfMemoryError("no room for the batch (test)")
 
+    free_blocks = batch_decode.blocks_for(longest[0]) + 4 if room == "rows-wait" else 0
     monkeypatch.setattr(decoder.cache, "grow", grow)
     monkeypatch.setattr(decoder.cache, "free", decoder.cache.free[:free_blocks])
     for r in requests:
@@ -140,6 +148,8 @@ def test_gpu_no_room_for_a_rows_kv_keeps_every_answer(server, monkeypatch, free_
     outputs = srv.run()
     if free_blocks:
         assert _answers(outputs) == want
+        assert stats.get(MODEL, "batch_row_swapped") + stats.get(MODEL, "batch_row_waited") >= 1
+        assert stats.fallbacks(MODEL).get(f"{MODEL}: {reasons.OOM}", 0) == 0
     else:
         # Eager after a hand-back: the model's own step, whose rounding is not the batched
         # step's; the request still ends with an answer, on the device.
