@@ -79,6 +79,24 @@ def _no_room(monkeypatch, decoder, free_blocks):
     monkeypatch.setattr(decoder.cache, "free", decoder.cache.free[:free_blocks])
 
 
+def _vllm_pool_takes_a_capture():
+    """vLLM's global graph pool still takes a capture: vLLM's runners and vllm-omni 0.30's own
+    SenseNova-U1 decode capture there, in the same process as the plugin. On the H200 (0.30),
+    after this file's faults, the plugin-off decode failed there with "already recording to
+    mempool_id" while the plugin's own captures went on in the private pool it takes after a
+    repair; each fault below ends by checking the pool, to name the one that leaves it so."""
+    from vllm.platforms import current_platform
+
+    graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")
+    side, pool = torch.cuda.Stream(), current_platform.get_global_graph_pool()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.cuda.graph(graph, pool=pool):
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    assert torch.equal(x.cpu(), torch.ones(4))
+
+
 # ------------------------------------------------------------------ the batched decode
 
 
@@ -161,6 +179,7 @@ def test_gpu_batch_release_mid_batch_changes_no_answer_and_the_next_forward_capt
     captures = stats.get(MODEL, "batch_capture")
     assert _together(pipe, requests) == want
     assert stats.get(MODEL, "batch_capture") > captures
+    _vllm_pool_takes_a_capture()
 
 
 def _sync_while_capturing(monkeypatch, cls, name="forward"):
@@ -195,6 +214,7 @@ def test_gpu_batch_failed_capture_changes_no_answer_until_a_release_captures_aga
     captures = stats.get(MODEL, "batch_capture")
     assert _together(pipe, requests) == want
     assert stats.get(MODEL, "batch_capture") > captures and decoder.capture_failed is None
+    _vllm_pool_takes_a_capture()
 
 
 def test_gpu_refused_batch_draws_a_sampled_answer_from_its_own_stream(checkpoint):  # noqa: F811
@@ -277,6 +297,7 @@ def test_gpu_one_request_failed_capture_changes_no_answer_until_a_release(checkp
     pipe.release_captured_graphs()
     assert _one_at_a_time(pipe, requests[:1]) == want[:1]
     assert stats.get(MODEL, "replay") > 0
+    _vllm_pool_takes_a_capture()
 
 
 def _longest_request(monkeypatch):
@@ -376,6 +397,7 @@ def test_gpu_batch_weights_moved_mid_forward_finish_every_row_on_cuda(checkpoint
     stats.reset()
     assert _together(pipe, requests) == want
     assert stats.get(MODEL, "batch_capture") >= 1 and stats.fallbacks(MODEL) == {}
+    _vllm_pool_takes_a_capture()
 
 
 def test_gpu_one_request_weights_moved_mid_decode_finish_it_on_cuda(checkpoint):  # noqa: F811
