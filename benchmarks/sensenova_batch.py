@@ -1,7 +1,7 @@
 """SenseNova-U1 under load: N requests through one ``forward`` (the plugin's batched decode)
 against the release serving the same requests one at a time (issue #22).
 
-    python3 benchmarks/sensenova_batch.py --out DIR [--cases step,text,think] [--n 8]
+    python3 benchmarks/sensenova_batch.py --out DIR [--cases step,text,think,overlap,wave] [--n 8]
                                           [--think-ns 1,2,4,16] [--tiny]
 
 Everything goes through ``SenseNovaU1Pipeline.forward`` with a real ``DiffusionRequestBatch``, as
@@ -32,6 +32,11 @@ Cases (rows of ``sensenova-batch.json``):
   its own output, as a client sees it when all N arrive together). The plugin side denoises
   with the exact branch-step graphs unless ``--denoise fast`` (rows end in ``_fast``) or an FP8
   option that covers the denoising (rows end in ``_fp8``) selects the fast body.
+
+- ``sensenova_tick_overlap_b{N}`` (``overlap``) and ``sensenova_tick_wave_k{k}`` (``wave``): what
+  a step-execution tick would gain from running its decode launch and its denoising on two CUDA
+  streams at once, and from one GEMM over several requests' denoising instead of one request
+  after another (``overlap.py``; ``bench_tick_modes``).
 
 Each row also says whether every request's answer in the batch equals the same request's answer
 alone through the plugin (``request0_same_in_every_batch``: request 0 of every N), and how far
@@ -313,6 +318,103 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
                      "file": f"profile-batch-b{n}{suffix}.json"})
 
 
+# -- what a tick could gain (overlap, wave) ------------------------------------------------------
+
+def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> None:
+    """The ``overlap`` and ``wave`` cases (``overlap.py`` says what each decides), measured inside
+    one denoising step of a one-step text-to-image request at ``--size``/``--cfg``, at its first
+    branch call, where the branch's buffers are live:
+
+    - ``sensenova_tick_overlap_b{R}``: a decode unit (``R`` = ``--n`` rows join at
+      ``--context``, decode ``--overlap-tokens`` tokens each through the batched step, and
+      leave) against one branch step of that request, alone and together on two streams for
+      ``--overlap-seconds`` each (CUDA only: the batched decode runs nowhere else);
+    - ``sensenova_tick_wave_k{k}``: the branch's linear layers for ``k`` requests' image tokens,
+      one after another against one GEMM over all (``overlap.gemm_wave``)."""
+    import functools
+
+    import overlap
+
+    from vllm_omni_graphdecode.decode.batch import turns
+    from vllm_omni_graphdecode.hooks import sensenova_u1
+    from vllm_omni_graphdecode.testing import sensenova as rm
+
+    device = next(pipe.language_model.parameters()).device
+    original = pipe._t2i_predict_v
+    seen: dict = {}
+
+    def measure_once(*a, **kw):
+        if seen:
+            return original(*a, **kw)
+        seen["tokens"] = tokens = int(kw["input_embeds"].shape[1])
+        branch = functools.partial(original, *a, **kw)
+        branch()
+        if "wave" in cases:
+            for row in overlap.gemm_wave(overlap.gen_weights(pipe), tokens, args.wave_ks):
+                log(f"wave k={row['k']}: one after another {row['one_after_another_ms']:.2f} "
+                    f"ms, one GEMM {row['wave_ms']:.2f} ms ({row['wave_gain']:.3f}x)")
+                rows_out.append(common.case(
+                    f"sensenova_tick_wave_k{row['k']}", row["one_after_another_ms"],
+                    row["wave_ms"], None,
+                    eager_side=f"the branch's linear layers at {tokens} image tokens, k times",
+                    ours_side=f"the same at k x {tokens} tokens in one GEMM each",
+                    **{k: v for k, v in row.items() if k not in ("one_after_another_ms",
+                                                                 "wave_ms")}))
+            write()
+        if "overlap" in cases:
+            if device.type != "cuda":
+                rows_out.append({"case": f"sensenova_tick_overlap_b{args.n}",
+                                 "skipped": "needs CUDA: the batched decode runs on CUDA only"})
+            else:
+                result = overlap.together({"decode": decode_unit(), "denoise": branch},
+                                          device=device, seconds=args.overlap_seconds)
+                log(f"overlap: gain {result['throughput_gain']:.3f} (slowdowns "
+                    f"{result['slowdown']})")
+                rows_out.append({"case": f"sensenova_tick_overlap_b{args.n}",
+                                 "rows": args.n, "context": args.context,
+                                 "decode_unit": f"{args.n} rows join, decode "
+                                                f"{args.overlap_tokens} tokens each, leave",
+                                 "denoise_unit": f"one branch step, {tokens} image tokens",
+                                 **result})
+            write()
+        return original(*a, **kw)
+
+    def decode_unit():
+        decoder = getattr(pipe, sensenova_u1.STATE_ATTR).batch._decoder()
+        ctx = args.context
+        prefix_logits, make_cache = rm.random_prefix(pipe.language_model, ctx - 1, seed=ctx)
+        first = int(prefix_logits[0, -1].argmax())
+
+        def unit():
+            stream = torch.cuda.current_stream(device)
+
+            def member(i):
+                def run():
+                    torch.cuda.set_stream(stream)  # the launch runs in whichever member
+                    with torch.inference_mode():
+                        row = decoder.join(make_cache())
+                        token = first + i
+                        for s in range(args.overlap_tokens):
+                            token = row.next(token, ctx + s)
+                        decoder.leave(row, write_back=False)
+                return run
+            errors = [e for e in turns.Turns(decoder.launch).run([member(i) for i in
+                                                                   range(args.n)])
+                      if isinstance(e, BaseException)]
+            if errors:
+                raise errors[0]
+        unit()  # captures
+        return unit
+
+    request = sr.make_request(size=args.size, steps=1, cfg=args.cfg, think=False, seed=0,
+                              prompt=sr.PROMPT, tag="tick-modes")
+    pipe._t2i_predict_v = measure_once
+    try:
+        pipe.forward(request)
+    finally:
+        pipe._t2i_predict_v = original
+
+
 # -- the request cases ------------------------------------------------------------------------
 
 def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, rows: int,
@@ -361,6 +463,21 @@ def _row_counts(value: str) -> list[int]:
     return counts
 
 
+CASES = ("step", "text", "think", "overlap", "wave")
+
+
+def _ks(value: str) -> tuple[int, ...]:
+    """``--wave-ks``: positive request counts, comma-separated."""
+    try:
+        ks = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        ks = ()
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"--wave-ks {value!r}: accepted: positive request "
+                                         f"counts, comma-separated (e.g. 1,2,4)")
+    return ks
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -386,6 +503,12 @@ def main(argv=None) -> int:
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (default: "
                          "fast when --fp8 asks for its W8A8 GEMMs, else graph, the exact "
                          "denoising); fast with --fp8 off: request rows end in _fast")
+    ap.add_argument("--overlap-seconds", type=float, default=6.0,
+                    help="overlap case: each side's window, alone and together")
+    ap.add_argument("--overlap-tokens", type=int, default=64,
+                    help="overlap case: tokens each row decodes in one decode unit")
+    ap.add_argument("--wave-ks", type=_ks, default=(1, 2, 4),
+                    help="wave case: request counts k, comma-separated")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -398,6 +521,9 @@ def main(argv=None) -> int:
                     help="start no further case after this many seconds (results so far kept)")
     args = ap.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        ap.error(f"--cases: {', '.join(unknown)} not accepted; accepted: {', '.join(CASES)}")
     ns = [int(x) for x in args.think_ns.split(",") if x]
     rows = min(16, max([args.n] + ns))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -490,6 +616,16 @@ def main(argv=None) -> int:
 
             traceback.print_exc()
             results.append({"case": "sensenova_batch_decode_step_b8", "error": repr(exc)})
+        write()
+    tick_cases = [c for c in ("overlap", "wave") if c in cases]
+    if tick_cases and not over_budget(",".join(tick_cases)):
+        try:
+            bench_tick_modes(pipe, args, tick_cases, results, write)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            results.append({"case": "sensenova_tick_" + "_".join(tick_cases), "error": repr(exc)})
         write()
     request0 = {}
     for kind in ("text", "think"):
