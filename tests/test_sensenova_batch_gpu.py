@@ -14,7 +14,9 @@ The claims, each a test below:
 * the same requests give the same answers in two processes (batched, and the batch-1 path with
   its tuned GEMVs);
 * base -> LoRA -> base: the last base answer is the first one;
-* device memory is flat from batch 5 to batch 20.
+* device memory is flat from batch 5 to batch 20;
+* the members of every batch run on the same worker threads, so cuBLAS makes no handle (and no
+  32 MiB workspace) after the first batch (``decode/batch/workers.py``).
 """
 
 import gc
@@ -30,7 +32,7 @@ import torch
 
 from vllm_omni_graphdecode import config
 from vllm_omni_graphdecode.core import stats
-from vllm_omni_graphdecode.decode.batch import kv as batch_kv, turns
+from vllm_omni_graphdecode.decode.batch import kv as batch_kv, turns, workers
 from vllm_omni_graphdecode.decode.batch.decoder import BatchDecoder
 from vllm_omni_graphdecode.decode.sampling import RowSampling
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
@@ -248,3 +250,31 @@ def test_gpu_device_memory_is_flat_from_batch_5_to_20(checkpoint):  # noqa: F811
             torch.cuda.synchronize()
             free[n] = torch.cuda.mem_get_info()[0]
     assert abs(free[5] - free[20]) <= 2 * 2**20, free
+
+
+def test_gpu_batches_make_no_cublas_handle_after_the_first(checkpoint):  # noqa: F811
+    """Each thread that calls cuBLAS holds a handle, and torch keeps a workspace per handle and
+    stream until the process ends. With a thread per member, a batch started right after the
+    last one could find handles not yet given back by exiting threads and make new ones (70 MiB
+    over eight batches at the real shape, 5 MiB in another run, on the H200). Here: after the
+    first batch the pool makes no worker, and the workspaces batches 6-20 use are no more than
+    those batches 1-5 used (each set measured by the memory clearing them frees)."""
+    pipe = _pipeline(checkpoint, rows=4)
+    requests = _mixed()[:4]
+    pipe.forward(_batch(requests))
+    made = workers.WORKERS.started
+
+    def workspaces(batches):
+        for _ in range(batches):
+            pipe.forward(_batch(requests))
+        gc.collect()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch._C._cuda_clearCublasWorkspaces()
+        return before - torch.cuda.memory_allocated()
+
+    early = workspaces(4)
+    late = workspaces(15)
+    assert workers.WORKERS.started == made
+    assert early > 0, "no cuBLAS workspace was freed: the measurement saw nothing"
+    assert late <= early, (late, early)

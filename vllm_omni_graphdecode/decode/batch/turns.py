@@ -24,6 +24,10 @@ A member that raises ends alone: its exception is its result, the others go on. 
 raising is a bug in the caller; it is re-raised in every member still waiting (each request
 fails with it rather than hanging).
 
+A member's thread is one of ``workers.WORKERS``'s long-lived threads, idle again before the
+group hears the member ended: the members of the next batch run on the same threads (each
+thread's cuBLAS handle and its device workspace are then made once, not once a request).
+
 Each member runs in a copy of the caller's ``contextvars`` context, taken when the group starts
 it: what the caller's code keeps in context variables (vllm-omni 0.30 keeps a request's
 cancellation signals in one) is what the member's code sees.
@@ -41,13 +45,15 @@ import contextvars
 import threading
 from typing import Callable, Sequence
 
+from . import workers
+
 _local = threading.local()
 
 
 class Member:
     """One request's thread in a ``Turns`` group."""
 
-    __slots__ = ("index", "group", "ready", "done", "result", "error", "thread")
+    __slots__ = ("index", "group", "ready", "done", "result", "error", "ended")
 
     def __init__(self, group: "Turns", index: int):
         self.group = group
@@ -56,7 +62,7 @@ class Member:
         self.done = False
         self.result = None
         self.error: BaseException | None = None
-        self.thread: threading.Thread | None = None
+        self.ended: threading.Event | None = None  # set when its thread has left it
 
 
 def current() -> Member | None:
@@ -88,16 +94,15 @@ class Turns:
         self._members = [Member(self, i) for i in range(len(fns))]
         if not fns:
             return []
-        for member, fn in zip(self._members, fns):
-            context = contextvars.copy_context()  # one each: a context runs in one thread
-            member.thread = threading.Thread(target=context.run, args=(self._body, member, fn),
-                                             name=f"{self.name}-{member.index}", daemon=True)
         with self._cond:
             self._turn = 0
+        for member, fn in zip(self._members, fns):
+            context = contextvars.copy_context()  # one each: a context runs in one thread
+            member.ended = workers.WORKERS.start(
+                lambda c=context, m=member, f=fn: c.run(self._body, m, f),
+                f"{self.name}-{member.index}")
         for member in self._members:
-            member.thread.start()
-        for member in self._members:
-            member.thread.join()
+            member.ended.wait()
         return [m.error if m.error is not None else m.result for m in self._members]
 
     # -- inside a member's thread -----------------------------------------------------------------
@@ -201,8 +206,11 @@ class TickMember:
         self._go = threading.Semaphore(0)
         self._context = contextvars.copy_context()
         self._setup = setup
-        self.thread = threading.Thread(target=self._context.run, args=(self._body,), name=name,
-                                       daemon=True)
+        self.name = name
+        self.ended: threading.Event | None = None  # set when its thread has left it
+
+    def start(self) -> None:
+        self.ended = workers.WORKERS.start(lambda: self._context.run(self._body), self.name)
 
     @property
     def done(self) -> bool:
@@ -264,7 +272,7 @@ class Ticks:
         member = TickMember(self, fn, f"{self.name}-{self._added}", self.setup)
         self._added += 1
         self.members.append(member)
-        member.thread.start()  # it waits for its first turn
+        member.start()  # it waits for its first turn
         return member
 
     def stop(self, member: TickMember, exc: BaseException) -> None:
@@ -334,3 +342,6 @@ class Ticks:
         member.steps += 1
         member._go.release()
         self._back.acquire()
+        if member.state == DONE:
+            # Its worker is idle again before the next member can ask for one (workers.py).
+            member.ended.wait()

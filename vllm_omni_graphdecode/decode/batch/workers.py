@@ -1,0 +1,125 @@
+"""Long-lived threads for the members of ``turns.Turns`` and ``turns.Ticks``: a member runs on an
+idle worker, or on a new one when none is idle, and its worker waits for the next member after.
+
+Why not a thread per member: each thread that runs a cuBLAS call takes a cuBLAS handle of its
+own from torch's handle pool, and torch keeps a workspace per handle and stream (32 MiB on
+Hopper) until the process ends. A thread hands its handle back only in its C++ thread-exit
+destructors, which run after Python's ``join()`` has returned: a batch whose members start
+right after the last batch's members were joined can find those handles still taken and make
+new ones, each with a new workspace. Device memory then grows by a workspace now and then, by
+how the threads' exits happened to interleave (on the H200, 70 MiB over eight batches of
+eight requests in one run, 5 MiB in another). A worker keeps its handle for its life, so the
+handles, and their workspaces, number at most the workers: the most members ever alive at
+once (plus the idle ones kept, ``IDLE_MAX``).
+
+Each member still runs alone on its thread, in the ``contextvars`` context its group gave it.
+After each member its worker's CUDA device and current stream are set back to what a new
+thread starts with: a member's ``torch.cuda.set_stream`` does not leak into the next.
+
+Model-agnostic.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sys
+import threading
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+# Idle workers kept beyond this many exit (the next burst makes new ones).
+IDLE_MAX = 64
+
+
+class _Worker:
+    def __init__(self, pool: "Workers", index: int):
+        self.pool = pool
+        self.base = f"graphdecode-worker-{index}"
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=self.base, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, name, done = self.jobs.get()
+            threading.current_thread().name = name
+            before = _snapshot()
+            try:
+                fn()
+            except BaseException:  # members catch their own; a worker must outlive a bug
+                logger.exception("graphdecode: a member raised out of its thread (%s)", name)
+            threading.current_thread().name = self.base
+            try:
+                _restore(before)
+            except Exception:  # a broken device: the next member's own setup raises it
+                logger.exception("graphdecode: could not reset this worker's CUDA stream")
+            # Back to the idle list before the caller hears it ended: a group that starts its
+            # next members at once finds this worker idle (the point of the pool).
+            keep = self.pool._idle_again(self)
+            done.set()
+            if not keep:
+                return
+
+
+class Workers:
+    """A pool of worker threads; ``start(fn, name)`` runs ``fn`` on one and returns an event set
+    when ``fn`` has returned (``fn`` must not raise: a member catches its own exceptions)."""
+
+    def __init__(self, idle_max: int = IDLE_MAX):
+        self.idle_max = idle_max
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self.started = 0  # workers made over the pool's life
+
+    def start(self, fn: Callable[[], None], name: str) -> threading.Event:
+        done = threading.Event()
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+            if worker is None:
+                self.started += 1
+                index = self.started
+        if worker is None:
+            worker = _Worker(self, index)
+        worker.jobs.put((fn, name, done))
+        return done
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def _idle_again(self, worker: _Worker) -> bool:
+        with self._lock:
+            if len(self._idle) >= self.idle_max:
+                return False
+            self._idle.append(worker)
+            return True
+
+
+WORKERS = Workers()
+
+
+def _snapshot():
+    """This thread's CUDA device and current stream, where torch has initialised CUDA; else
+    None (nothing to look at, and looking must not initialise it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    device = torch.cuda.current_device()
+    return device, torch.cuda.current_stream(device)
+
+
+def _restore(before) -> None:
+    """Undo what a member did to this thread's CUDA state: the stream it made current on the
+    device it ended on goes back to that device's default stream, and the device and stream
+    the thread had before the member come back (a device the member never left is not set:
+    setting one creates its context)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    now = torch.cuda.current_device()
+    torch.cuda.set_stream(torch.cuda.default_stream(now))
+    if before is not None:
+        torch.cuda.set_device(before[0])
+        torch.cuda.set_stream(before[1])
