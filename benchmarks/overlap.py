@@ -127,7 +127,7 @@ def gemm_wave(weights: list[torch.Tensor], tokens: int, ks=(1, 2, 4), *, repeats
     """For each ``k``: the GEMMs of ``weights`` at ``tokens`` rows, ``k`` times one after another,
     against once at ``k * tokens`` rows (one wave). Returns one dict per ``k``: both times in
     ms, their ratio and the achieved FLOP rates. Every GEMM writes into an output made
-    before timing (no allocation inside)."""
+    before timing (no allocation inside; one per output width, shared)."""
     device, dtype = weights[0].device, weights[0].dtype
     g = torch.Generator(device=device).manual_seed(0)
     by_in: dict[int, torch.Tensor] = {}
@@ -138,7 +138,11 @@ def gemm_wave(weights: list[torch.Tensor], tokens: int, ks=(1, 2, 4), *, repeats
         for n_in in {w.shape[1] for w in weights}:
             if n_in not in by_in or by_in[n_in].shape[0] < m:
                 by_in[n_in] = torch.randn(m, n_in, device=device, dtype=dtype, generator=g)
-        outs = [torch.empty(m, w.shape[0], device=device, dtype=dtype) for w in weights]
+        # One scratch output per width, overwritten by every GEMM of that width: the outputs of
+        # 42 layers at 4 x 4,096 rows would take ~50 GB.
+        by_out = {n: torch.empty(m, n, device=device, dtype=dtype)
+                  for n in {w.shape[0] for w in weights}}
+        outs = [by_out[w.shape[0]] for w in weights]
         xs = [by_in[w.shape[1]][:m] for w in weights]
 
         def run():
