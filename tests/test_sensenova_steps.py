@@ -30,12 +30,12 @@ MODEL = hook.MODEL
 
 # ------------------------------------------------------------------ Ticks
 
-def _group(events, launches=None):
+def _group(events, launches=None, order="fcfs"):
     def launch():
         events.append("launch")
         if launches is not None:
             launches[0] += 1
-    return turns.Ticks(launch)
+    return turns.Ticks(launch, order=order)
 
 
 def test_a_tick_gives_each_member_one_step_and_the_decoding_members_one_launch():
@@ -76,7 +76,7 @@ def test_a_tick_gives_each_member_one_step_and_the_decoding_members_one_launch()
 
 def test_a_member_added_between_ticks_starts_at_the_next_one_beside_the_others():
     events = []
-    group = _group(events)
+    group = _group(events, order="round_robin")
 
     def steps(name, n):
         def body():
@@ -98,6 +98,58 @@ def test_a_member_added_between_ticks_starts_at_the_next_one_beside_the_others()
     assert first.done and [m.result for m in (first, second)] == ["first", "second"]
     group.forget(second)
     assert group.members == [first]
+
+
+def _denoisers(order, works):
+    """Members that each take ``works[i]`` denoising steps, added together, ticked until all are
+    done: (each member's own events, the denoising steps run when each ended, the steps each
+    tick ran). A tick lasts as long as its steps: the steps run before a request ended are the
+    time it waited."""
+    events, ended, per_tick = [], {}, []
+    group = _group(events, order=order)
+
+    def denoiser(name, n):
+        def body():
+            for i in range(n):
+                group.end_of_step()
+                events.append((name, i))
+                if i == n - 1:
+                    ended[name] = len(events)
+            return name
+        return body
+
+    members = {name: group.add(denoiser(name, n)) for name, n in works.items()}
+    while not all(m.done for m in members.values()):
+        before = len(events)
+        group.tick()
+        per_tick.append(len(events) - before)
+    own = {name: [e for e in events if e[0] == name] for name in works}
+    return own, ended, per_tick
+
+
+def test_fcfs_gives_the_ticks_steps_to_the_oldest_request_first_and_none_ends_later():
+    works = {"a": 6, "b": 6, "c": 6}
+    own, ended, per_tick = _denoisers("fcfs", works)
+    rr_own, rr_ended, rr_per_tick = _denoisers("round_robin", works)
+    assert own == rr_own  # every request runs its own steps, in its own order
+    # A tick runs one step per request denoising when it began, in both orders.
+    assert per_tick[:4] == [0, 3, 3, 2] and rr_per_tick[:3] == [0, 3, 3]
+    assert sum(per_tick) == sum(rr_per_tick) == 18
+    # Round robin: all end in the last tick; first come, first served: the oldest first, each
+    # after no more work than round robin's.
+    assert ended == {"a": 6, "b": 12, "c": 18} and rr_ended == {"a": 16, "b": 17, "c": 18}
+
+
+def test_fcfs_hands_the_steps_a_finished_request_leaves_to_the_next_one():
+    own, ended, per_tick = _denoisers("fcfs", {"a": 1, "b": 4})
+    # Tick 2 has two steps to give: a's last, then b's first; b then runs alone, one a tick.
+    assert per_tick == [0, 2, 1, 1, 1]
+    assert ended == {"a": 1, "b": 5} and own["b"] == [("b", i) for i in range(4)]
+
+
+def test_an_unknown_order_is_refused_by_name():
+    with pytest.raises(ValueError, match="order 'lifo': accepted: fcfs, round_robin"):
+        turns.Ticks(lambda: None, order="lifo")
 
 
 def test_stopping_a_parked_member_unwinds_it_at_the_next_tick_and_leaves_the_others():
@@ -281,6 +333,32 @@ def _tick_until(server, done, limit=3000):
             return
         server.tick()
     raise AssertionError("the condition never held")
+
+
+def test_images_sent_together_leave_one_after_another_in_fcfs_and_answer_the_same(server):
+    """VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER: with ``fcfs`` (the default) the oldest
+    denoising request takes the step's denoising steps, so images sent together leave at
+    different steps, the first as early as the same work allows; ``round_robin`` finishes them
+    together. The same answers either way."""
+    def images():
+        requests = [_request(i, f"an image number {i}") for i in range(3)]
+        for r in requests:
+            r.sampling_params.num_inference_steps = 4
+        return requests
+
+    runs = {}
+    for order in ("fcfs", "round_robin"):
+        srv = server(cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER=order))
+        assert steps.requests_of(srv.pipe).ticks.order == order
+        for r in images():
+            srv.add(r)
+        outputs = srv.run()
+        runs[order] = ({rid: _answer(o) for rid, o in outputs.items()}, srv.finished_at)
+    (fcfs, fcfs_at), (rr, rr_at) = runs["fcfs"], runs["round_robin"]
+    assert fcfs == rr and all(isinstance(a, tuple) and a[0] for a in fcfs.values())
+    assert fcfs_at["req-0"] < fcfs_at["req-1"] < fcfs_at["req-2"]
+    assert len(set(rr_at.values())) == 1
+    assert fcfs_at["req-2"] > rr_at["req-2"]  # shorter steps, more of them: the same work
 
 
 def test_requests_that_join_mid_decode_and_mid_denoise_answer_as_each_alone(server,

@@ -23,6 +23,7 @@ TOKENS_PER_LAUNCH_VAR = "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH"
 SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
 SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
 SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
+SENSENOVA_DENOISE_ORDER_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER"
 FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
 # The hot paths that can read FP8 weight copies (issue #23); ``on`` means all of them.
 FP8_PATHS = ("sensenova_decode", "sensenova_denoise", "qwen_image_21")
@@ -274,6 +275,20 @@ SETTINGS: tuple[Setting, ...] = (
             "declares the engine's request cancellation (an abort stops a batched request at its "
             "next token or denoising step) and serves `n` images per request "
             "(`num_outputs_per_prompt`) from one prefill. With `off` none of this is declared."),
+    Setting(SENSENOVA_DENOISE_ORDER_VAR, "fcfs", _choice("fcfs", "round_robin"),
+            "sensenova_denoise_order",
+            "SenseNova-U1 under `--step-execution`: whose denoising steps a step runs first: "
+            "`fcfs` (the oldest request's) or `round_robin` (one each).",
+            "Each step of the server runs as many denoising steps as requests denoise, so the GPU "
+            "does the same work either way; what changes is who finishes when. With `fcfs` the "
+            "oldest denoising request takes the step's denoising steps until its image is done, "
+            "then the next: its output leaves as soon as the same work allows, the server formats "
+            "it while the GPU goes on, and of requests that need the same work none finishes "
+            "later than with `round_robin`. With `round_robin` every denoising request advances "
+            "one step a server step, so requests sent together finish together (a small image "
+            "behind a large one is not held back by it). Answers do not change: each request runs "
+            "its own steps. Request mode (no `--step-execution`) denoises each request of a "
+            "forward in turn, as the release."),
     Setting(FP8_VAR, "off", _parse_fp8, "fp8",
             "Opt-in FP8 (e4m3) weight copies on the hot paths: `off`, `on` (all but "
             "`sensenova_lm_head`), or a comma list of paths. They round differently from bf16.",
@@ -369,6 +384,7 @@ class Config:
     sensenova_denoise: str = "graph"
     sensenova_batch: str = "auto"
     fp8: frozenset = frozenset()
+    sensenova_denoise_order: str = "fcfs"
 
     @property
     def enabled(self) -> bool:

@@ -188,6 +188,8 @@ class Turns:
 # -- requests advanced one step per call ---------------------------------------------------------
 
 NEW, RUNNING, AT_STEP, AT_LAUNCH, DONE = "new", "running", "at step", "at launch", "done"
+# How a tick gives out its denoising steps (``Ticks``).
+ORDERS = ("fcfs", "round_robin")
 
 
 class TickMember:
@@ -202,7 +204,7 @@ class TickMember:
         self.result = None
         self.error: BaseException | None = None
         self.stop: BaseException | None = None  # raised in its thread at its next resume
-        self.steps = 0  # units of work done (ticks it ran in)
+        self.steps = 0  # units of work done (resumes: a denoising step is one)
         self._go = threading.Semaphore(0)
         self._context = contextvars.copy_context()
         self._setup = setup
@@ -240,15 +242,22 @@ class Ticks:
     the batched launch (``wait_until``, as in ``Turns``). One ``tick()``, from the caller's
     thread, in order:
 
-    1. every member that can run (new, or parked at ``end_of_step``) runs, one after another
-       in the order they were added, until it parks again or ends: a new request's prefill,
-       one step of each denoising request;
+    1. every member that can run (new, or parked at ``end_of_step``) runs, one after another,
+       until it parks again or ends: a new request's prefill, and the denoising steps, as many
+       as members parked at ``end_of_step`` when the tick began, given out by ``order``:
+
+       - ``"fcfs"`` (first come, first served): those steps first, to the members in the order
+         they were added, each as many as it takes before it leaves its denoising (then the
+         other members, in that order): the oldest request finishes first, and a request ends
+         after no more work than under ``round_robin`` where the requests need equal work;
+       - ``"round_robin"``: one to each, all members in the order they were added;
     2. if any member waits for a launch, ``launch()`` runs once, in the caller's thread, and
        each member it made ready runs until it parks again (its next launch is the next tick's)
        or ends.
 
-    So a request that decodes gets one launch a tick and one that denoises one step a tick,
-    whatever joins or leaves beside it, and a request that ends leaves at the tick it ended in.
+    So a request that decodes gets one launch a tick, the tick's denoising work is one step per
+    denoising request whatever the order, and a request that ends leaves at the tick it ended
+    in.
     ``stop(member, exc)`` raises ``exc`` in the member's thread where it is parked, at the next
     tick (its ``finally`` blocks run, in its turn), or at once where it never ran.
 
@@ -258,7 +267,11 @@ class Ticks:
     """
 
     def __init__(self, launch: Callable[[], None], *, name: str = "graphdecode-tick",
-                 setup: Callable[[Callable[[], object]], Callable[[], object]] | None = None):
+                 setup: Callable[[Callable[[], object]], Callable[[], object]] | None = None,
+                 order: str = "fcfs"):
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r}: accepted: {', '.join(ORDERS)}")
+        self.order = order
         self.launch = launch
         self.name = name
         self.setup = setup
@@ -289,7 +302,16 @@ class Ticks:
 
     def tick(self) -> None:
         self.ticks += 1
+        stepping = ([m for m in self.members if m.state == AT_STEP and m.stop is None]
+                    if self.order == "fcfs" else [])
+        budget = len(stepping)
+        for member in stepping:  # fcfs: the tick's denoising steps, oldest member first
+            while budget and member.state == AT_STEP and member.stop is None:
+                self._resume(member)
+                budget -= 1
         for member in list(self.members):
+            if member in stepping:
+                continue
             if member.state in (NEW, AT_STEP) or (member.state == AT_LAUNCH
                                                   and (member.stop is not None or member.ready())):
                 self._resume(member)

@@ -17,8 +17,10 @@ How: each request runs the pipeline's own ``forward`` in a thread of its own, a 
 - a request in its think or text decode is a row of the batched step (``batch.py``, the same
   16-row, batch-invariant launch as in request mode) and gets one launch (``k`` tokens) a tick,
   beside every other request's row, text answers and think images alike;
-- a request in its denoising runs one step a tick (its own step, graph-replayed where
-  ``denoise.py`` is wired: the steps of several requests run one after another);
+- the requests in their denoising run as many denoising steps a tick as there are of them,
+  each its own step (graph-replayed where ``denoise.py`` is wired), the oldest request's first
+  (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER=fcfs``, the default: it finishes, and its
+  output leaves, as early as the same work allows) or one step each (``round_robin``);
 - a request whose ``forward`` returned leaves at that tick: ``post_decode`` hands its output to
   the runner, which sends it at once.
 
@@ -50,6 +52,7 @@ import functools
 
 import torch
 
+from ... import config
 from ...core import stats
 from ...core.patching import HookRefused, check_signature
 from ...core.reasons import Reason
@@ -143,8 +146,9 @@ class StepRequests:
         self.forward = (self.batch.inner_forward if self.batch is not None
                         else pipeline.forward)
         member = batch_mod._Member(pipeline.device)
+        cfg = wiring.cfg if wiring is not None else config.get()
         self.ticks = turns.Ticks(self._launch, name="graphdecode-sensenova-step",
-                                 setup=member.run)
+                                 setup=member.run, order=cfg.sensenova_denoise_order)
         self.members: dict[str, turns.TickMember] = {}
 
     def _launch(self) -> None:
