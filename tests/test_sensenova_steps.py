@@ -30,12 +30,12 @@ MODEL = hook.MODEL
 
 # ------------------------------------------------------------------ Ticks
 
-def _group(events, launches=None, order="fcfs"):
+def _group(events, launches=None, order="fcfs", beside_launch=None):
     def launch():
         events.append("launch")
         if launches is not None:
             launches[0] += 1
-    return turns.Ticks(launch, order=order)
+    return turns.Ticks(launch, order=order, beside_launch=beside_launch)
 
 
 def test_a_tick_gives_each_member_one_step_and_the_decoding_members_one_launch():
@@ -91,7 +91,7 @@ def test_a_member_added_between_ticks_starts_at_the_next_one_beside_the_others()
     second = group.add(steps("second", 1))
     assert events == ["first 0"] and second.state == turns.NEW
     group.tick()
-    assert events == ["first 0", "first 1", "second 0"]
+    assert events == ["first 0", "second 0", "first 1"]  # new members first, then the steps
     group.tick()
     assert second.done and not first.done
     group.tick()
@@ -145,6 +145,45 @@ def test_fcfs_hands_the_steps_a_finished_request_leaves_to_the_next_one():
     # Tick 2 has two steps to give: a's last, then b's first; b then runs alone, one a tick.
     assert per_tick == [0, 2, 1, 1, 1]
     assert ended == {"a": 1, "b": 5} and own["b"] == [("b", i) for i in range(4)]
+
+
+@pytest.mark.parametrize("order,expected", [
+    ("fcfs", ["a 0", "launch", "a 1", "launch", "a 2", "b 0", "b 1"]),
+    ("round_robin", ["a 0", "launch", "b 0", "launch", "c 0", "a 1", "b 1"]),
+])
+def test_while_a_member_decodes_a_tick_runs_at_most_beside_launch_steps(order, expected):
+    """A text answer waits for one denoising step between its launches, not for every
+    image's; once it is done, the tick runs one step per denoising request again."""
+    events, served = [], [0]
+    group = _group(events, served, order=order, beside_launch=1)
+
+    def denoiser(name, n):
+        def body():
+            for i in range(n):
+                group.end_of_step()
+                events.append(f"{name} {i}")
+        return body
+
+    def decoder():
+        for _ in range(3):
+            want = served[0] + 1
+            group.wait_until(lambda: served[0] >= want)
+
+    images = [group.add(denoiser(name, 3)) for name in "abc"]
+    text = group.add(decoder)
+    group.tick()  # every member runs up to its first park: no step, the first launch
+    assert events == ["launch"]
+    events.clear()
+    for _ in range(3):
+        group.tick()
+    assert text.done and events == expected
+    while not all(m.done for m in images):  # no member left parked on a worker thread
+        group.tick()
+
+
+def test_an_unknown_order_or_limit_is_refused_by_name():
+    with pytest.raises(ValueError, match="beside_launch 0: accepted: None"):
+        turns.Ticks(lambda: None, beside_launch=0)
 
 
 def test_an_unknown_order_is_refused_by_name():
@@ -349,7 +388,8 @@ def test_images_sent_together_leave_one_after_another_in_fcfs_and_answer_the_sam
     runs = {}
     for order in ("fcfs", "round_robin"):
         srv = server(cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER=order))
-        assert steps.requests_of(srv.pipe).ticks.order == order
+        ticks = steps.requests_of(srv.pipe).ticks
+        assert ticks.order == order and ticks.beside_launch == 1  # the defaults
         for r in images():
             srv.add(r)
         outputs = srv.run()

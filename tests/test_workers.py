@@ -73,7 +73,7 @@ def test_each_member_sees_its_own_context_and_name_on_a_shared_thread():
 
 
 def test_a_job_that_raises_out_leaves_its_worker_alive(caplog):
-    pool = workers.Workers()
+    pool = workers.Workers(prefix="test-worker")
     with caplog.at_level("ERROR"):
         pool.start(lambda: 1 / 0, "bad").wait(5)
     assert "a member raised out of its thread (bad)" in caplog.text
@@ -83,7 +83,7 @@ def test_a_job_that_raises_out_leaves_its_worker_alive(caplog):
 
 
 def test_idle_workers_beyond_the_limit_exit():
-    pool = workers.Workers(idle_max=1)
+    pool = workers.Workers(idle_max=1, prefix="test-worker")
     gate = threading.Event()
     threads = []
 

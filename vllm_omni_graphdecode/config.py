@@ -24,6 +24,7 @@ SENSENOVA_STEP_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"
 SENSENOVA_DENOISE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE"
 SENSENOVA_BATCH_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_BATCH"
 SENSENOVA_DENOISE_ORDER_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER"
+SENSENOVA_BESIDE_DECODE_VAR = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE"
 FP8_VAR = "VLLM_OMNI_GRAPHDECODE_FP8"
 # The hot paths that can read FP8 weight copies (issue #23); ``on`` means all of them.
 FP8_PATHS = ("sensenova_decode", "sensenova_denoise", "qwen_image_21")
@@ -69,6 +70,15 @@ def _parse_bool(var: str, raw: str) -> bool:
     if value in _FALSE:
         return False
     raise _bad(var, raw, "1/true/yes/on or 0/false/no/off")
+
+
+def _steps_or_all(var: str, raw: str) -> int | None:
+    value = raw.strip().lower()
+    if value == "all":
+        return None
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise _bad(var, raw, "a positive number of steps, or all (no limit)")
 
 
 def _choice(*choices: str) -> Callable[[str, str], str]:
@@ -289,6 +299,19 @@ SETTINGS: tuple[Setting, ...] = (
             "behind a large one is not held back by it). Answers do not change: each request runs "
             "its own steps. Request mode (no `--step-execution`) denoises each request of a "
             "forward in turn, as the release."),
+    Setting(SENSENOVA_BESIDE_DECODE_VAR, "1", _steps_or_all, "sensenova_denoise_beside_decode",
+            "SenseNova-U1 under `--step-execution`: denoising steps a server step runs at most "
+            "while requests decode (`all`: one per denoising request).",
+            "A decoding request (a text answer, a think phase) gets one batched launch "
+            "(`VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH` tokens) a server step, and waits for that "
+            "step's denoising steps before its next launch. With `all`, eight images denoising "
+            "beside one text answer make it wait eight denoising steps at every launch; with the "
+            "default `1` it waits one, and the denoising requests take the server steps in "
+            "between. Estimated from the H200's figures (1024x1024: a denoising step ~75 ms; a "
+            "launch of 8 tokens at 8 rows ~64 ms), a 256-token answer, ~2 s alone, would take "
+            "~21 s with `all` and ~4.4 s with `1`; not yet measured under load. The GPU does the "
+            "same work either way, while nothing decodes every denoising request's step runs, "
+            "and answers do not change."),
     Setting(FP8_VAR, "off", _parse_fp8, "fp8",
             "Opt-in FP8 (e4m3) weight copies on the hot paths: `off`, `on` (all but "
             "`sensenova_lm_head`), or a comma list of paths. They round differently from bf16.",
@@ -385,6 +408,7 @@ class Config:
     sensenova_batch: str = "auto"
     fp8: frozenset = frozenset()
     sensenova_denoise_order: str = "fcfs"
+    sensenova_denoise_beside_decode: int | None = 1
 
     @property
     def enabled(self) -> bool:
@@ -396,6 +420,8 @@ class Config:
 
 
 def _show(value: object) -> str:
+    if value is None:  # the only None a setting parses to: no limit
+        return "all"
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, frozenset):

@@ -205,6 +205,7 @@ class TickMember:
         self.error: BaseException | None = None
         self.stop: BaseException | None = None  # raised in its thread at its next resume
         self.steps = 0  # units of work done (resumes: a denoising step is one)
+        self.serial = 0  # its place in the order members were added (``Ticks.add``)
         self._go = threading.Semaphore(0)
         self._context = contextvars.copy_context()
         self._setup = setup
@@ -242,22 +243,24 @@ class Ticks:
     the batched launch (``wait_until``, as in ``Turns``). One ``tick()``, from the caller's
     thread, in order:
 
-    1. every member that can run (new, or parked at ``end_of_step``) runs, one after another,
-       until it parks again or ends: a new request's prefill, and the denoising steps, as many
-       as members parked at ``end_of_step`` when the tick began, given out by ``order``:
+    1. every member that can run runs, one after another, until it parks again or ends: the
+       new ones (a new request's prefill) in the order they were added, then the denoising
+       steps: one per member parked at ``end_of_step`` when the tick began, but at most
+       ``beside_launch`` (when not None) where a member waits for the launch, given out by
+       ``order``:
 
-       - ``"fcfs"`` (first come, first served): those steps first, to the members in the order
-         they were added, each as many as it takes before it leaves its denoising (then the
-         other members, in that order): the oldest request finishes first, and a request ends
-         after no more work than under ``round_robin`` where the requests need equal work;
-       - ``"round_robin"``: one to each, all members in the order they were added;
+       - ``"fcfs"`` (first come, first served): to the members in the order they were added,
+         each as many as it takes before it leaves its denoising: the oldest request finishes
+         first, and a request ends after no more work than under ``round_robin`` where the
+         requests need equal work;
+       - ``"round_robin"``: one each, from the member after the last one given a step;
     2. if any member waits for a launch, ``launch()`` runs once, in the caller's thread, and
        each member it made ready runs until it parks again (its next launch is the next tick's)
        or ends.
 
-    So a request that decodes gets one launch a tick, the tick's denoising work is one step per
-    denoising request whatever the order, and a request that ends leaves at the tick it ended
-    in.
+    So a request that decodes gets one launch a tick, and waits for at most ``beside_launch``
+    denoising steps between two launches; a tick's denoising work does not depend on the order;
+    a request that ends leaves at the tick it ended in.
     ``stop(member, exc)`` raises ``exc`` in the member's thread where it is parked, at the next
     tick (its ``finally`` blocks run, in its turn), or at once where it never ran.
 
@@ -268,10 +271,15 @@ class Ticks:
 
     def __init__(self, launch: Callable[[], None], *, name: str = "graphdecode-tick",
                  setup: Callable[[Callable[[], object]], Callable[[], object]] | None = None,
-                 order: str = "fcfs"):
+                 order: str = "fcfs", beside_launch: int | None = None):
         if order not in ORDERS:
             raise ValueError(f"order {order!r}: accepted: {', '.join(ORDERS)}")
+        if beside_launch is not None and beside_launch < 1:
+            raise ValueError(f"beside_launch {beside_launch!r}: accepted: None (no limit) or a "
+                             f"positive number of steps")
         self.order = order
+        self.beside_launch = beside_launch
+        self._last_served = -1  # round robin: the serial of the last member given a step
         self.launch = launch
         self.name = name
         self.setup = setup
@@ -283,6 +291,7 @@ class Ticks:
     def add(self, fn: Callable[[], object]) -> TickMember:
         """A member for ``fn``; it first runs at the next ``tick``."""
         member = TickMember(self, fn, f"{self.name}-{self._added}", self.setup)
+        member.serial = self._added
         self._added += 1
         self.members.append(member)
         member.start()  # it waits for its first turn
@@ -302,19 +311,14 @@ class Ticks:
 
     def tick(self) -> None:
         self.ticks += 1
-        stepping = ([m for m in self.members if m.state == AT_STEP and m.stop is None]
-                    if self.order == "fcfs" else [])
-        budget = len(stepping)
-        for member in stepping:  # fcfs: the tick's denoising steps, oldest member first
-            while budget and member.state == AT_STEP and member.stop is None:
-                self._resume(member)
-                budget -= 1
-        for member in list(self.members):
+        stepping = [m for m in self.members if m.state == AT_STEP and m.stop is None]
+        for member in list(self.members):  # new members, stopped ones, ones a launch made ready
             if member in stepping:
                 continue
             if member.state in (NEW, AT_STEP) or (member.state == AT_LAUNCH
                                                   and (member.stop is not None or member.ready())):
                 self._resume(member)
+        self._denoise(stepping)
         waiting = [m for m in self.members if m.state == AT_LAUNCH]
         if not waiting:
             return
@@ -327,6 +331,28 @@ class Ticks:
         for member in waiting:
             if member.state == AT_LAUNCH and (member.stop is not None or member.ready()):
                 self._resume(member)
+
+    def _denoise(self, stepping: list[TickMember]) -> None:
+        """The tick's denoising steps (class docstring): one per member in ``stepping`` (parked
+        at ``end_of_step`` when the tick began), at most ``beside_launch`` where a member waits
+        for the launch, given out by ``order``."""
+        budget = len(stepping)
+        if self.beside_launch is not None and any(m.state == AT_LAUNCH for m in self.members):
+            budget = min(budget, self.beside_launch)
+        if self.order == "fcfs":
+            for member in stepping:
+                while budget and member.state == AT_STEP and member.stop is None:
+                    self._resume(member)
+                    budget -= 1
+            return
+        # Round robin: one each, from the member after the last one served.
+        start = next((i for i, m in enumerate(stepping) if m.serial > self._last_served), 0)
+        for member in stepping[start:] + stepping[:start]:
+            if not budget:
+                break
+            self._resume(member)
+            budget -= 1
+            self._last_served = member.serial
 
     # -- inside a member's thread -----------------------------------------------------------------
 

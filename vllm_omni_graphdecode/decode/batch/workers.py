@@ -36,7 +36,7 @@ IDLE_MAX = 64
 class _Worker:
     def __init__(self, pool: "Workers", index: int):
         self.pool = pool
-        self.base = f"graphdecode-worker-{index}"
+        self.base = f"{pool.prefix}-{index}"
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name=self.base, daemon=True)
         self.thread.start()
@@ -67,8 +67,9 @@ class Workers:
     """A pool of worker threads; ``start(fn, name)`` runs ``fn`` on one and returns an event set
     when ``fn`` has returned (``fn`` must not raise: a member catches its own exceptions)."""
 
-    def __init__(self, idle_max: int = IDLE_MAX):
+    def __init__(self, idle_max: int = IDLE_MAX, prefix: str = "graphdecode-worker"):
         self.idle_max = idle_max
+        self.prefix = prefix  # each worker's thread name between members: PREFIX-N
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self.started = 0  # workers made over the pool's life

@@ -20,7 +20,9 @@ How: each request runs the pipeline's own ``forward`` in a thread of its own, a 
 - the requests in their denoising run as many denoising steps a tick as there are of them,
   each its own step (graph-replayed where ``denoise.py`` is wired), the oldest request's first
   (``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER=fcfs``, the default: it finishes, and its
-  output leaves, as early as the same work allows) or one step each (``round_robin``);
+  output leaves, as early as the same work allows) or one step each (``round_robin``); at
+  most ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE`` (1) of them in a tick where a
+  request decodes, so that a text answer does not wait for every image's step at each launch;
 - a request whose ``forward`` returned leaves at that tick: ``post_decode`` hands its output to
   the runner, which sends it at once.
 
@@ -148,7 +150,8 @@ class StepRequests:
         member = batch_mod._Member(pipeline.device)
         cfg = wiring.cfg if wiring is not None else config.get()
         self.ticks = turns.Ticks(self._launch, name="graphdecode-sensenova-step",
-                                 setup=member.run, order=cfg.sensenova_denoise_order)
+                                 setup=member.run, order=cfg.sensenova_denoise_order,
+                                 beside_launch=cfg.sensenova_denoise_beside_decode)
         self.members: dict[str, turns.TickMember] = {}
 
     def _launch(self) -> None:
