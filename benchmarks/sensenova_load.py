@@ -17,6 +17,9 @@ One server per (side, rate), one after the other on the same GPU, each ``vllm se
   one batched step; a forward's batch is fixed once it starts).
 - ``step``: ``VLLM_OMNI_GRAPHDECODE=1``, ``--step-execution --max-num-seqs 16``: the plugin's
   continuous batching (requests join and leave the running batch at every step).
+- ``step_rr`` (only when named): ``step`` with every denoising request's step in every server
+  step, one each (``..._SENSENOVA_DENOISE_ORDER=round_robin``,
+  ``..._SENSENOVA_DENOISE_BESIDE_DECODE=all``): what the order and the limit change.
 
 The trace (``e2e_serve.poisson_trace``, the same list for every side: a pure function of
 ``--n``, ``--seed``, the rate and the prompt length): ``--n`` requests, the first sent at 0 and
@@ -105,13 +108,22 @@ ANSWER_PARTS = ("text_sha256", "think_sha256", "image_sha256")  # what "the same
 class Side:
     plugin: bool  # VLLM_OMNI_GRAPHDECODE=1
     serve_args: tuple[str, ...]  # after serve.MODEL_ARGS
+    env: tuple[tuple[str, str], ...] = ()  # more of the plugin's variables
 
 
+STEP_ARGS = ("--step-execution", "--max-num-seqs", "16")
 SIDES = {
     "release": Side(False, ("--max-num-seqs", "1")),
     "request": Side(True, ("--max-num-seqs", "8", "--request-batch-max-wait-ms", "100")),
-    "step": Side(True, ("--step-execution", "--max-num-seqs", "16")),
+    "step": Side(True, STEP_ARGS),
+    # Step mode as it ticked before the denoising order and limit: every denoising request's
+    # step in every server step, one each (named only: not among the default sides).
+    "step_rr": Side(True, STEP_ARGS, (("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER",
+                                       "round_robin"),
+                                      ("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE",
+                                       "all"))),
 }
+DEFAULT_SIDES = ("release", "request", "step")
 
 
 def log(msg):
@@ -144,6 +156,7 @@ def run_server(side: str, rate: float, args, checkpoint: str) -> dict:
     env["VLLM_OMNI_GRAPHDECODE"] = "1" if SIDES[side].plugin else "0"
     if SIDES[side].plugin:
         env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
+        env.update(SIDES[side].env)
     serve_args = list(serve.MODEL_ARGS) + list(SIDES[side].serve_args)
     cmd = [sys.executable, serve.DRIVER, "--scenario", "sensenova_trace", "--model", checkpoint,
            "--out", out, "--trace-rate", str(rate), "--trace-n", str(args.n),
@@ -300,7 +313,7 @@ def _floats(ap, name: str, value: str) -> list[float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sides", default=",".join(SIDES),
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
                     help=f"which servers to run now, in order ({', '.join(SIDES)})")
     ap.add_argument("--rates", default="0.1,0.4",
                     help="request rates (requests a second, comma list): one server each")

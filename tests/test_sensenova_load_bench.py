@@ -438,7 +438,7 @@ def test_help_lists_the_new_scenario_and_options():
     assert bench.returncode == 0, bench.stderr
     text = " ".join(bench.stdout.split())  # argparse wraps its lines
     for word in ("--sides", "--rates", "--n", "--seed", "--alone", "--tiny", "--checkpoint",
-                 "(release, request, step)"):
+                 "(release, request, step, step_rr)"):
         assert word in text
 
 
@@ -514,3 +514,32 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
         load.main(argv[:-5] + ["--n", "9", "--seed", "5", "--no-plot"])
     assert exc.value.code == 2
     assert "holds runs of another trace (n 8 there, 9 here)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("side, expected", [
+    ("step", {}),
+    ("step_rr", {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER": "round_robin",
+                 "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE": "all"}),
+    ("release", {}),
+])
+def test_each_side_starts_its_server_with_its_variables_and_no_others(tmp_path, monkeypatch,
+                                                                      side, expected):
+    import argparse
+
+    seen = {}
+
+    def run_driver(cmd, env, out, what):
+        seen.update(cmd=cmd, env=env)
+        return 0, 1.0, {}
+
+    monkeypatch.setattr(load.serve, "run_driver", run_driver)
+    monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER", "fcfs")  # not passed on
+    args = argparse.Namespace(out=str(tmp_path), n=4, seed=0, alone=1, size=64, steps=2,
+                              text_tokens=8, text_prompt_chars=40, init_timeout=10,
+                              request_timeout=10)
+    run = load.run_server(side, 0.5, args, "/checkpoint")
+    plugin = {k: v for k, v in seen["env"].items() if k.startswith("VLLM_OMNI_GRAPHDECODE")}
+    assert plugin.pop("VLLM_OMNI_GRAPHDECODE") == ("0" if side == "release" else "1")
+    plugin.pop("VLLM_OMNI_GRAPHDECODE_STATS_FILE", None)
+    assert plugin == expected and run["env"]["VLLM_OMNI_GRAPHDECODE"]
+    assert ("--serve-arg=--step-execution" in seen["cmd"]) == side.startswith("step")
