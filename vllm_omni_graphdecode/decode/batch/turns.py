@@ -33,8 +33,9 @@ it: what the caller's code keeps in context variables (vllm-omni 0.30 keeps a re
 cancellation signals in one) is what the member's code sees.
 
 ``Ticks`` is the same idea for a server that advances its requests one step at a time
-(vLLM-Omni's step execution): members that live across calls, each call (``tick``) giving every
-member one unit of work and the batched launch at most once.
+(vLLM-Omni's step execution): members that live across calls, each call (``tick``) running the
+batched launch at most once and giving out units of work (a prefill, denoising steps) by its
+order and limit.
 
 Model-agnostic; no CUDA.
 """
@@ -237,7 +238,7 @@ class TickMember:
 
 class Ticks:
     """Requests that live across calls, each running its own code in a thread of its own, one
-    thread at a time; ``tick()`` advances every one of them by one unit of work.
+    thread at a time; ``tick()`` is one step of the server, which advances them as below.
 
     A member's units end where its code calls ``end_of_step()`` (a denoising step) or waits for
     the batched launch (``wait_until``, as in ``Turns``). One ``tick()``, from the caller's
