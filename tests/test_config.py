@@ -136,3 +136,20 @@ def test_get_parses_once_per_process(monkeypatch):
 ])
 def test_fp8_for_sensenova_denoising_selects_the_fast_mode_unless_a_mode_is_set(env, mode):
     assert config.parse(env).sensenova_denoise == mode
+
+
+@pytest.mark.parametrize("raw, parsed", [("1", 1), ("3", 3), ("all", None), (" ALL ", None)])
+def test_denoising_steps_beside_decode_take_a_count_or_all_and_show_as_given(raw, parsed):
+    var = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE"
+    cfg = config.parse({var: raw})
+    assert cfg.sensenova_denoise_beside_decode == parsed
+    shown = cfg.as_env()[var]
+    assert config.parse({var: shown}) == cfg  # what doctor prints parses back to the same
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "2.5", "none", ""])
+def test_denoising_steps_beside_decode_refuse_anything_else_by_name(raw):
+    var = "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_BESIDE_DECODE"
+    with pytest.raises(config.ConfigError, match=f"{var}='{raw}' is not accepted; accepted: a "
+                                                 f"positive number of steps, or all"):
+        config.parse({var: raw})
