@@ -177,8 +177,10 @@ def test_while_a_member_decodes_a_tick_runs_at_most_beside_launch_steps(order, e
     for _ in range(3):
         group.tick()
     assert text.done and events == expected
+    assert group.held == 4  # two ticks beside a launch, each putting off two of three steps
     while not all(m.done for m in images):  # no member left parked on a worker thread
         group.tick()
+    assert group.held == 4
 
 
 def test_an_unknown_order_or_limit_is_refused_by_name():
@@ -390,15 +392,40 @@ def test_images_sent_together_leave_one_after_another_in_fcfs_and_answer_the_sam
         srv = server(cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE_ORDER=order))
         ticks = steps.requests_of(srv.pipe).ticks
         assert ticks.order == order and ticks.beside_launch == 1  # the defaults
+        stats.reset()
         for r in images():
             srv.add(r)
         outputs = srv.run()
+        assert stats.get(MODEL, "step_denoise_held") == 0  # nothing decoded beside them
         runs[order] = ({rid: _answer(o) for rid, o in outputs.items()}, srv.finished_at)
     (fcfs, fcfs_at), (rr, rr_at) = runs["fcfs"], runs["round_robin"]
     assert fcfs == rr and all(isinstance(a, tuple) and a[0] for a in fcfs.values())
     assert fcfs_at["req-0"] < fcfs_at["req-1"] < fcfs_at["req-2"]
     assert len(set(rr_at.values())) == 1
     assert fcfs_at["req-2"] > rr_at["req-2"]  # shorter steps, more of them: the same work
+
+
+def test_a_text_answer_beside_denoising_images_holds_their_steps_back_and_answers_the_same(
+        server, checkpoint):  # noqa: F811
+    """Two images denoise while a text answer joins: each step beside its launches runs one
+    denoising step (the default limit), the others put off (counted), and every answer is the
+    request's answer alone."""
+    images = [_request(30 + i, f"an image number {i}") for i in range(2)]
+    for r in images:
+        r.sampling_params.num_inference_steps = 6
+    text = _request(32, "a text answer beside the images", text=40)
+    want = _alone(checkpoint, [*images, text])
+    stats.reset()
+
+    srv = server()
+    for r in images:
+        srv.add(r)
+    _tick_until(srv, lambda: all(m.state == turns.AT_STEP for m in _members(srv).values()))
+    srv.add(text)
+    outputs = srv.run()
+    assert {rid: _answer(out) for rid, out in outputs.items()} == want
+    assert stats.get(MODEL, "step_denoise_held") > 0
+    assert stats.fallbacks(MODEL) == {}
 
 
 def test_requests_that_join_mid_decode_and_mid_denoise_answer_as_each_alone(server,

@@ -281,6 +281,7 @@ class Ticks:
         self.order = order
         self.beside_launch = beside_launch
         self._last_served = -1  # round robin: the serial of the last member given a step
+        self.held = 0  # denoising steps ``beside_launch`` put off to a later tick, in all
         self.launch = launch
         self.name = name
         self.setup = setup
@@ -340,6 +341,7 @@ class Ticks:
         budget = len(stepping)
         if self.beside_launch is not None and any(m.state == AT_LAUNCH for m in self.members):
             budget = min(budget, self.beside_launch)
+            self.held += len(stepping) - budget
         if self.order == "fcfs":
             for member in stepping:
                 while budget and member.state == AT_STEP and member.stop is None:

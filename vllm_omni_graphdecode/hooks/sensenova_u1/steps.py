@@ -44,7 +44,8 @@ turns a step at a time, and a loop decodes eagerly inside one tick (counted:
 ``step_decode_in_one_tick``).
 
 Counted under "sensenova_u1": ``step_tick``, ``step_request`` (members started),
-``step_finished``, ``step_stopped`` (aborts), ``step_lora_batch``.
+``step_finished``, ``step_stopped`` (aborts), ``step_lora_batch``, ``step_denoise_held``
+(denoising steps put off to a later step because a request decoded).
 """
 
 from __future__ import annotations
@@ -205,8 +206,11 @@ class StepRequests:
                     # froze on the last one go (the scheduler runs one adapter at a time).
                     decoder.drop_graphs()
                     stats.count(MODEL, "step_lora_batch")
+        held = self.ticks.held
         self.ticks.tick()
         stats.count(MODEL, "step_tick")
+        if self.ticks.held > held:
+            stats.count(MODEL, "step_denoise_held", self.ticks.held - held)
         for rid, member in list(self.members.items()):
             if rid not in scheduled and member.done:
                 self._drop(rid)
