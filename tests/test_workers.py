@@ -4,6 +4,8 @@ most members ever alive at once, whatever the timing of thread exits (why: the m
 docstring). CPU tests of the pool; the device-memory side is in the GPU batch file."""
 
 import contextvars
+import os
+import signal
 import threading
 import time
 
@@ -111,3 +113,18 @@ def test_run_returns_only_after_every_worker_is_idle_again(members):
     before = pool.started
     _thread_of_each(members, 3)
     assert pool.started == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_its_members_on_workers_of_its_own():
+    _thread_of_each(2, 1)  # the parent's pool has idle workers now
+    assert workers.WORKERS.idle() >= 2
+    pid = os.fork()
+    if pid == 0:  # the child: only this thread lives; a member on a parent's worker would hang
+        signal.alarm(20)
+        try:
+            ok = len(_thread_of_each(2, 2)) == 4 and workers.WORKERS.started >= 1
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -14,7 +14,8 @@ once (plus the idle ones kept, ``IDLE_MAX``).
 
 Each member still runs alone on its thread, in the ``contextvars`` context its group gave it.
 After each member its worker's CUDA device and current stream are set back to what a new
-thread starts with: a member's ``torch.cuda.set_stream`` does not leak into the next.
+thread starts with: a member's ``torch.cuda.set_stream`` does not leak into the next. A forked
+child starts with an empty pool (the parent's workers do not exist there).
 
 Model-agnostic.
 """
@@ -22,6 +23,7 @@ Model-agnostic.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import sys
 import threading
@@ -99,6 +101,17 @@ class Workers:
 
 
 WORKERS = Workers()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child only the forking thread lives: the pool's idle workers are gone, and a
+    member handed to one would never run. The child starts with an empty pool."""
+    WORKERS._lock = threading.Lock()
+    WORKERS._idle = []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _snapshot():
