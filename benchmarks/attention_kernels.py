@@ -245,3 +245,156 @@ def bench_attention(args, rows, env, log):
             if isinstance(v, dict)))
         del layers
         torch.cuda.empty_cache()
+
+
+# -- the batched step's attention: vLLM's Triton decode kernel at the plugin's fixed row count ---
+
+STEP_ROWS = 16  # hooks/sensenova_u1/batch.py: the batched step always runs 16 rows
+SCRATCH_TOKENS = 64  # the pool's first tokens, read by idle rows (decode/batch/kv.py SCRATCH)
+
+
+class _BatchLayers:
+    """K/V of LAYERS layers for STEP_ROWS rows of ``ctx`` keys each, in one flat buffer per layer
+    that any page size in ``pages`` divides: viewed as (blocks, page, kv_heads, d), row r owns
+    the blocks after the scratch tokens, in order; idle rows read one scratch key."""
+
+    def __init__(self, ctx: int, device, seed: int = 0):
+        g = torch.Generator(device=device).manual_seed(seed)
+        tokens = SCRATCH_TOKENS + STEP_ROWS * ctx
+        self.ctx, self.device = ctx, device
+        self.k = [torch.randn((tokens, KV_HEADS, HEAD_DIM), generator=g, device=device,
+                              dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.v = [torch.randn((tokens, KV_HEADS, HEAD_DIM), generator=g, device=device,
+                              dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.q = [torch.randn((STEP_ROWS, Q_HEADS, HEAD_DIM), generator=g, device=device,
+                              dtype=torch.bfloat16) for _ in range(LAYERS)]
+        self.scale = 1.0 / math.sqrt(HEAD_DIM)
+
+    def table(self, page: int, active: int):
+        """(block table, seqused) with the first ``active`` rows at ``ctx`` keys."""
+        per_row = self.ctx // page
+        first = SCRATCH_TOKENS // page
+        table = torch.zeros(STEP_ROWS, per_row, dtype=torch.int32, device=self.device)
+        for r in range(active):
+            table[r] = torch.arange(first + r * per_row, first + (r + 1) * per_row,
+                                    dtype=torch.int32, device=self.device)
+        seqused = torch.ones(STEP_ROWS, dtype=torch.int32, device=self.device)
+        seqused[:active] = self.ctx
+        return table, seqused
+
+    def reference_row0(self, i: int) -> torch.Tensor:
+        """Row 0's attention over its keys in fp32, (q_heads, d)."""
+        keys = slice(SCRATCH_TOKENS, SCRATCH_TOKENS + self.ctx)
+        group = Q_HEADS // KV_HEADS
+        k = self.k[i][keys].float().repeat_interleave(group, dim=1)
+        v = self.v[i][keys].float().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,lhd->hl", self.q[i][0].float(), k) * self.scale
+        return torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+
+
+def _batch_call(fn, layers: _BatchLayers, page: int, splits: int, active: int):
+    table, seqused = layers.table(page, active)
+    dev = layers.device
+    partial = torch.zeros(STEP_ROWS, Q_HEADS, splits, HEAD_DIM + 1, dtype=torch.float32,
+                          device=dev)
+    lse = torch.zeros(STEP_ROWS, Q_HEADS, dtype=torch.float32, device=dev)
+    one = torch.ones((), dtype=torch.float32, device=dev)
+    outs = [torch.empty_like(q) for q in layers.q]
+
+    def call(i):
+        k = layers.k[i].view(-1, page, KV_HEADS, HEAD_DIM)
+        v = layers.v[i].view(-1, page, KV_HEADS, HEAD_DIM)
+        fn(layers.q[i], k, v, outs[i], lse, table, seqused, partial, splits, layers.scale, page,
+           k_scale=one, v_scale=one)
+        return outs[i]
+
+    call.keep = (table, seqused, partial, lse, one)
+    return call
+
+
+def bench_batch_attention(args, rows, env, log):
+    """Rows ``batch_attention_ctxN_rR_sS_pP``: one attention call of the batched step (16 rows,
+    ``R`` of them at N keys, the rest idle) through vLLM's Triton decode kernel with ``S`` fixed
+    splits and page size ``P``, us per call as a graph of LAYERS calls, against the plugin's
+    configuration (16 splits, page 16: ``speedup_vs_current``). ``row0_same_at_8_and_16_rows``:
+    row 0's output bit for bit whether 8 or 16 rows decode (what batch invariance needs);
+    ``max_abs_diff``: row 0 against fp32. Issue #42's batched-step target (the profile of
+    h200-2026-12-02d: this kernel's first stage 29 us a layer at 8 rows of 2048 keys, where
+    their bytes take ~17 us)."""
+    from vllm_omni_graphdecode.decode.batch import kv as batch_kv
+
+    splits_list = [int(s) for s in getattr(args, "batch_splits", "8,16,32").split(",")]
+    pages = [int(p) for p in getattr(args, "batch_pages", "16,32,64").split(",")]
+    bad = [p for p in pages if SCRATCH_TOKENS % p or any(c % p for c in args.contexts)]
+    if bad or not splits_list or min(splits_list) < 1:
+        raise ValueError(f"--batch-pages {pages} / --batch-splits {splits_list}: accepted: page "
+                         f"sizes that divide {SCRATCH_TOKENS} and every context, and positive "
+                         f"split counts")
+    attention = batch_kv.select_attention("cuda")
+    if not isinstance(attention, batch_kv.BatchAttention):
+        raise RuntimeError(attention.describe())
+    fn = None
+    for name in batch_kv._KERNEL_MODULES:
+        try:
+            fn = __import__(name, fromlist=["decode_attention_fwd"]).decode_attention_fwd
+            break
+        except ImportError:
+            continue
+    for ctx in args.contexts:
+        layers = _BatchLayers(ctx, "cuda", seed=ctx)
+        results, current = [], {}
+        for page in pages:
+            for splits in splits_list:
+                pair = []
+                for active in (8, 16):
+                    call = _batch_call(fn, layers, page, splits, active)
+                    name = f"batch_attention_ctx{ctx}_r{active}_s{splits}_p{page}"
+                    try:
+                        timing = _measure_batch(call, layers, active)
+                    except Exception as exc:
+                        rows.append({"case": name, "error": f"{type(exc).__name__}: "
+                                                            f"{str(exc)[:300]}"})
+                        continue
+                    pair.append({"case": name, "rows": active, "splits": splits, "page": page,
+                                 **timing})
+                    if (page, splits) == (batch_kv.BLOCK_SIZE, batch_kv.SPLITS):
+                        current[active] = pair[-1]["us"]
+                if pair:
+                    # Row 0 at 8 and at 16 rows: the same keys, other neighbours.
+                    a = _batch_call(fn, layers, page, splits, 8)(0).clone()
+                    b = _batch_call(fn, layers, page, splits, 16)(0)
+                    torch.cuda.synchronize()
+                    for row in pair:
+                        row["row0_same_at_8_and_16_rows"] = bool(torch.equal(a[0], b[0]))
+                results.extend(pair)
+        for row in results:
+            if row["rows"] in current:
+                row["speedup_vs_current"] = round(current[row["rows"]] / row["us"], 3)
+            rows.append(row)
+            log(f"{row['case']}: {row['us']} us ({row['kv_gb_s']} GB/s), "
+                f"invariant {row['row0_same_at_8_and_16_rows']}")
+        del layers
+        torch.cuda.empty_cache()
+
+
+def _measure_batch(call, layers: _BatchLayers, active: int) -> dict:
+    """As ``_measure``: check row 0 against fp32, a graph of LAYERS calls, time replays."""
+    out = call(0)
+    torch.cuda.synchronize()
+    diff = float((out[0].float() - layers.reference_row0(0)).abs().max())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(LAYERS):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(LAYERS):
+            call(i)
+    graph_ms = common.time_ms(graph.replay, warmup=5, repeats=7, inner=10)
+    us = graph_ms * 1e3 / LAYERS
+    del graph
+    kv_bytes = 2 * active * layers.ctx * KV_HEADS * HEAD_DIM * 2
+    return {"us": round(us, 2), "kv_gb_s": round(kv_bytes / (us * 1e-6) / 1e9, 1),
+            "max_abs_diff": round(diff, 5)}

@@ -3,6 +3,8 @@
     python benchmarks/bench.py --out DIR [--cases sensenova_decode,qwen_image_21_step,memory]
     python benchmarks/bench.py --out DIR --cases profile,memory     (where the time goes; ~4 min)
     python benchmarks/bench.py --out DIR --cases attention [--fa 3,2]  (paged-attention kernels)
+    python benchmarks/bench.py --out DIR --cases batch_attention --contexts 2048  (the batched
+        step's attention at each split count and page size)
 
 Every side of a comparison runs in this one process, on random weights at the real layer shapes
 (bf16), timed with CUDA events, warm-up excluded, median of repeats; the ceilings (copy bandwidth,
@@ -42,6 +44,10 @@ Cases (names as in the result rows):
       off and on, one branch step profiled per side; ~5 min and ~36 GB on an H200).
   attention_paged_decode_ctxN: one paged decode attention call, FA3 / FA2 / FlashInfer, as graph
       replays (``attention_kernels.py``).
+  batch_attention_ctxN_rR_sS_pP: one attention call of the batched step (16 rows, R decoding)
+      through vLLM's Triton decode kernel at S fixed splits and page size P, against the
+      plugin's 16 and 16, with whether row 0 stays bit-equal beside other rows
+      (``attention_kernels.bench_batch_attention``).
 
 The SenseNova-U1 model (17.5 B random parameters) is built once per process and shared by the
 cases that use it; it is dropped before the Qwen-Image-2.1 parts when no later case needs it, so
@@ -808,6 +814,12 @@ def bench_attention(args, rows, env):
     attention_kernels.bench_attention(args, rows, env, log)
 
 
+def bench_batch_attention(args, rows, env):
+    import attention_kernels
+
+    attention_kernels.bench_batch_attention(args, rows, env, log)
+
+
 # ------------------------------------------------------------------ output
 
 CASES = {"sensenova_decode": bench_sensenova, "sensenova_sampled": bench_sampled,
@@ -815,6 +827,7 @@ CASES = {"sensenova_decode": bench_sensenova, "sensenova_sampled": bench_sampled
          "sensenova_image": bench_sensenova_image,
          "qwen_image_21_step": bench_qwen,
          "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,
+         "batch_attention": bench_batch_attention,
          "qwen_profile": bench_qwen_profile}
 
 
@@ -833,6 +846,10 @@ def main():
                     help="Qwen-Image-2.1 modes timed per case (rows without suffix: fast)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--fa", default="3,2", help="plugin FA versions to time")
+    ap.add_argument("--batch-splits", default="8,16,32",
+                    help="batch_attention case: fixed split counts to time")
+    ap.add_argument("--batch-pages", default="16,32,64",
+                    help="batch_attention case: page sizes to time")
     ap.add_argument("--tokens-per-launch", default="1,4,8,16",
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
     ap.add_argument("--no-exact", dest="exact", action="store_false",
