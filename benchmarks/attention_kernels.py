@@ -162,13 +162,9 @@ def _flashinfer_call(fi, layers: _Layers):
     return call
 
 
-def _measure(call, layers: _Layers) -> dict:
-    """Warm up, check against fp32, capture LAYERS calls in one graph, time replays."""
-    outs = [call(i) for i in range(LAYERS)]
-    torch.cuda.synchronize()
-    diff = max(float((outs[i].float().reshape(1, Q_HEADS, HEAD_DIM) - layers.reference(i))
-                     .abs().max()) for i in (0, LAYERS - 1))
-    eager_ms = common.time_ms(lambda: [call(i) for i in range(LAYERS)], warmup=2, repeats=5)
+def _graph_us(call) -> float:
+    """``call(i)`` for every layer, warmed up on a side stream, captured as one graph: us per
+    call over its replays."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -180,8 +176,18 @@ def _measure(call, layers: _Layers) -> dict:
         for i in range(LAYERS):
             call(i)
     graph_ms = common.time_ms(graph.replay, warmup=5, repeats=7, inner=10)
-    us = graph_ms * 1e3 / LAYERS
     del graph
+    return graph_ms * 1e3 / LAYERS
+
+
+def _measure(call, layers: _Layers) -> dict:
+    """Warm up, check against fp32, capture LAYERS calls in one graph, time replays."""
+    outs = [call(i) for i in range(LAYERS)]
+    torch.cuda.synchronize()
+    diff = max(float((outs[i].float().reshape(1, Q_HEADS, HEAD_DIM) - layers.reference(i))
+                     .abs().max()) for i in (0, LAYERS - 1))
+    eager_ms = common.time_ms(lambda: [call(i) for i in range(LAYERS)], warmup=2, repeats=5)
+    us = _graph_us(call)
     return {"us": round(us, 2), "eager_us": round(eager_ms * 1e3 / LAYERS, 2),
             "kv_gb_s": round(layers.kv_bytes / (us * 1e-6) / 1e9, 1),
             "max_abs_diff": round(diff, 5)}
@@ -382,19 +388,7 @@ def _measure_batch(call, layers: _BatchLayers, active: int) -> dict:
     out = call(0)
     torch.cuda.synchronize()
     diff = float((out[0].float() - layers.reference_row0(0)).abs().max())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(LAYERS):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAYERS):
-            call(i)
-    graph_ms = common.time_ms(graph.replay, warmup=5, repeats=7, inner=10)
-    us = graph_ms * 1e3 / LAYERS
-    del graph
+    us = _graph_us(call)
     kv_bytes = 2 * active * layers.ctx * KV_HEADS * HEAD_DIM * 2
     return {"us": round(us, 2), "kv_gb_s": round(kv_bytes / (us * 1e-6) / 1e9, 1),
             "max_abs_diff": round(diff, 5)}
