@@ -47,7 +47,10 @@ class _Worker:
         while True:
             fn, name, done = self.jobs.get()
             threading.current_thread().name = name
-            before = _snapshot()
+            try:
+                before = _snapshot()
+            except Exception:  # a broken device: the member's own setup raises it to its request
+                before = None
             try:
                 fn()
             except BaseException:  # members catch their own; a worker must outlive a bug
