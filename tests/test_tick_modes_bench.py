@@ -21,30 +21,54 @@ import overlap  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def test_two_kinds_that_wait_apart_run_together_at_full_rate():
-    # A unit that sleeps holds no lock: run together, each keeps its rate (gain ~2). Taken in
-    # turns (the measurement's failure mode) the gain would be ~1.
-    units = {"a": lambda: time.sleep(0.01), "b": lambda: time.sleep(0.015)}
-    result = overlap.together(units, device=CPU, seconds=0.3)
-    assert set(result["alone"]) == set(result["together"]) == {"a", "b"}
-    for name in units:
-        alone, both = result["alone"][name], result["together"][name]
-        assert alone["units"] >= 2 and both["units"] >= 2
-        assert alone["per_s"] == pytest.approx(alone["units"] / alone["seconds"], rel=1e-2)
-    assert result["throughput_gain"] > 1.7
-    assert all(s < 1.2 for s in result["slowdown"].values())
-
-
-def test_two_kinds_that_share_one_lock_gain_nothing():
+def _counted_units(meet: threading.Barrier):
+    """Two units that record how many units run at once in each phase; in the together phase
+    each first waits for the other at ``meet`` (serial together-threads would break it)."""
     lock = threading.Lock()
+    state = {"running": 0, "most": {"alone": 0, "together": 0}, "met": set()}
 
-    def busy():
-        with lock:
-            time.sleep(0.01)
+    def unit(name):
+        def run():
+            phase = ("together" if threading.current_thread().name.endswith("together")
+                     else "alone")
+            if phase == "together" and name not in state["met"]:
+                meet.wait(timeout=30)
+                state["met"].add(name)
+            with lock:
+                state["running"] += 1
+                state["most"][phase] = max(state["most"][phase], state["running"])
+            time.sleep(0.002)
+            with lock:
+                state["running"] -= 1
+        return run
 
-    result = overlap.together({"a": busy, "b": busy}, device=CPU, seconds=0.3)
-    assert result["throughput_gain"] < 1.25
+    return {"a": unit("a"), "b": unit("b")}, state
+
+
+def test_each_kind_runs_alone_then_both_at_once_on_threads_of_their_own():
+    units, state = _counted_units(threading.Barrier(2))
+    result = overlap.together(units, device=CPU, seconds=0.05)
+    # Alone: one unit at a time. Together: both met inside their units, so both ran at once.
+    assert state["most"]["alone"] == 1
+    assert state["met"] == {"a", "b"}
+    assert set(result["alone"]) == set(result["together"]) == {"a", "b"}
     assert result["streams"].startswith("no CUDA")
+
+
+def test_the_gain_and_slowdowns_are_the_rates_the_result_reports():
+    units, _ = _counted_units(threading.Barrier(2))
+    result = overlap.together(units, device=CPU, seconds=0.05, min_units=3)
+    alone, both = result["alone"], result["together"]
+    for name in units:
+        for r in (alone[name], both[name]):
+            assert r["units"] >= 3
+            assert r["per_s"] == pytest.approx(r["units"] / r["seconds"], rel=3e-3)  # 4-digit s
+            assert r["ms_per_unit"] == pytest.approx(1e3 / r["per_s"], rel=1e-3)
+        assert result["slowdown"][name] == pytest.approx(alone[name]["per_s"] / both[name]["per_s"])
+    assert result["throughput_gain"] == pytest.approx(
+        sum(both[n]["per_s"] / alone[n]["per_s"] for n in units))
+    assert result["unshared_tail_s"] == pytest.approx(
+        abs(both["a"]["seconds"] - both["b"]["seconds"]), abs=1e-4)
 
 
 def test_a_failing_unit_fails_the_measurement_without_hanging():

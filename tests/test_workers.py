@@ -77,10 +77,10 @@ def test_each_member_sees_its_own_context_and_name_on_a_shared_thread():
 def test_a_job_that_raises_out_leaves_its_worker_alive(caplog):
     pool = workers.Workers(prefix="test-worker")
     with caplog.at_level("ERROR"):
-        pool.start(lambda: 1 / 0, "bad").wait(5)
+        pool.start(lambda: 1 / 0, "bad").wait(30)
     assert "a member raised out of its thread (bad)" in caplog.text
     where = []
-    assert pool.start(lambda: where.append(threading.current_thread()), "good").wait(5)
+    assert pool.start(lambda: where.append(threading.current_thread()), "good").wait(30)
     assert pool.started == 1 and where and where[0].is_alive()
 
 
@@ -91,14 +91,14 @@ def test_idle_workers_beyond_the_limit_exit():
 
     def job():
         threads.append(threading.current_thread())
-        gate.wait(5)
+        gate.wait(30)
 
     ended = [pool.start(job, f"job-{i}") for i in range(3)]
     gate.set()
     for e in ended:
-        assert e.wait(5)
+        assert e.wait(30)
     assert pool.started == 3 and pool.idle() == 1
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while sum(t.is_alive() for t in threads) > 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sum(t.is_alive() for t in threads) == 1
