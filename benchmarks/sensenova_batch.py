@@ -331,8 +331,6 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
       ``--overlap-seconds`` each (CUDA only: the batched decode runs nowhere else);
     - ``sensenova_tick_wave_k{k}``: the branch's linear layers for ``k`` requests' image tokens,
       one after another against one GEMM over all (``overlap.gemm_wave``)."""
-    import functools
-
     import overlap
 
     from vllm_omni_graphdecode.decode.batch import turns
@@ -340,14 +338,9 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
     from vllm_omni_graphdecode.testing import sensenova as rm
 
     device = next(pipe.language_model.parameters()).device
-    original = pipe._t2i_predict_v
-    seen: dict = {}
 
-    def measure_once(*a, **kw):
-        if seen:
-            return original(*a, **kw)
-        seen["tokens"] = tokens = int(kw["input_embeds"].shape[1])
-        branch = functools.partial(original, *a, **kw)
+    def measure(branch, kw):
+        tokens = int(kw["input_embeds"].shape[1])
         branch()
         if "wave" in cases:
             for row in overlap.gemm_wave(overlap.gen_weights(pipe), tokens, args.wave_ks):
@@ -377,7 +370,6 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
                                  "denoise_unit": f"one branch step, {tokens} image tokens",
                                  **result})
             write()
-        return original(*a, **kw)
 
     def decode_unit():
         decoder = getattr(pipe, sensenova_u1.STATE_ATTR).batch._decoder()
@@ -406,13 +398,7 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
         unit()  # captures
         return unit
 
-    request = sr.make_request(size=args.size, steps=1, cfg=args.cfg, think=False, seed=0,
-                              prompt=sr.PROMPT, tag="tick-modes")
-    pipe._t2i_predict_v = measure_once
-    try:
-        pipe.forward(request)
-    finally:
-        pipe._t2i_predict_v = original
+    sr.at_first_branch(pipe, args, measure, seed=0, prompt=sr.PROMPT, tag="tick-modes")
 
 
 # -- the request cases ------------------------------------------------------------------------

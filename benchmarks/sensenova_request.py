@@ -666,37 +666,46 @@ def audit_syncs(pipe, request, device: torch.device, think_tokens: int) -> dict:
     }
 
 
+def at_first_branch(pipe, args, fn, *, seed: int, prompt: str, tag: str):
+    """Run a one-step text-to-image request at ``args.size``/``args.cfg`` and call
+    ``fn(branch, kwargs)`` once, at the cond branch's first ``_t2i_predict_v`` call: inside the
+    loop, where the branch's prefix + image buffers are live (the loop's cleanup drops them when
+    it returns). ``branch()`` runs that call again (the pipeline's step as it stands: eager, or
+    the plugin's replay). Returns what ``fn`` returned."""
+    saved = {}
+    original = pipe._t2i_predict_v
+
+    def hook(*a, **kw):
+        if "result" not in saved:
+            saved["result"] = fn(functools.partial(original, *a, **kw), kw)
+        return original(*a, **kw)
+
+    request = make_request(size=args.size, steps=1, cfg=args.cfg, think=False, seed=seed,
+                           prompt=prompt, tag=tag)
+    pipe._t2i_predict_v = hook
+    try:
+        pipe.forward(request)
+    finally:
+        pipe._t2i_predict_v = original
+    return saved["result"]
+
+
 def profile_branch_step(pipe, args, device: torch.device, steps: int = 3) -> dict:
     """Kernels of one CFG branch step (the pipeline's ``_t2i_predict_v`` as it stands: eager, or
     the plugin's replay), by category, with GPU busy against wall time (``profile_step``). The
     branch's arguments are taken from the cond branch's first call in a one-step request."""
     import profile_step
 
-    saved = {}
-    original = pipe._t2i_predict_v
+    def measure(fn, kw):
+        fn()
+        wall = profile_step.wall_ms(fn, steps, device_type=device.type)
+        trace = profile_step.profile(fn, steps, device_type=device.type)
+        layer0 = kw["past_key_values"].layers[0]
+        return profile_step.report(
+            trace, steps, wall, image_tokens=int(kw["input_embeds"].shape[1]),
+            prefix_tokens=int(getattr(layer0, "flash_prefix_len", 0) or 0))
 
-    def measure(*a, **kw):
-        # Inside the loop, at the branch's first call: its prefix + image buffers are live here
-        # (the loop's cleanup drops them when it returns).
-        if "report" not in saved:
-            fn = functools.partial(original, *a, **kw)
-            fn()
-            wall = profile_step.wall_ms(fn, steps, device_type=device.type)
-            trace = profile_step.profile(fn, steps, device_type=device.type)
-            layer0 = kw["past_key_values"].layers[0]
-            saved["report"] = profile_step.report(
-                trace, steps, wall, image_tokens=int(kw["input_embeds"].shape[1]),
-                prefix_tokens=int(getattr(layer0, "flash_prefix_len", 0) or 0))
-        return original(*a, **kw)
-
-    request = make_request(size=args.size, steps=1, cfg=args.cfg, think=False, seed=args.seed,
-                           prompt=args.prompt, tag="profile")
-    pipe._t2i_predict_v = measure
-    try:
-        pipe.forward(request)
-    finally:
-        pipe._t2i_predict_v = original
-    rep = saved["report"]
+    rep = at_first_branch(pipe, args, measure, seed=args.seed, prompt=args.prompt, tag="profile")
     rep.pop("other_kernel_names", None)
     return rep
 
