@@ -25,8 +25,8 @@ raising is a bug in the caller; it is re-raised in every member still waiting (e
 fails with it rather than hanging).
 
 A member's thread is one of ``workers.WORKERS``'s long-lived threads, idle again before the
-group hears the member ended: the members of the next batch run on the same threads (each
-thread's cuBLAS handle and its device workspace are then made once, not once a request).
+group hears the member ended: the members of the next batch run on the same threads, so a new
+batch makes no new thread and no new cuBLAS handle (``workers.py`` says why that matters).
 
 Each member runs in a copy of the caller's ``contextvars`` context, taken when the group starts
 it: what the caller's code keeps in context variables (vllm-omni 0.30 keeps a request's

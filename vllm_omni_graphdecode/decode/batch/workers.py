@@ -4,13 +4,13 @@ idle worker, or on a new one when none is idle, and its worker waits for the nex
 Why not a thread per member: each thread that runs a cuBLAS call takes a cuBLAS handle of its
 own from torch's handle pool, and torch keeps a workspace per handle and stream (32 MiB on
 Hopper) until the process ends. A thread hands its handle back only in its C++ thread-exit
-destructors, which run after Python's ``join()`` has returned: a batch whose members start
+destructors, which can run after Python's ``join()`` has returned: a batch whose members start
 right after the last batch's members were joined can find those handles still taken and make
-new ones, each with a new workspace. Device memory then grows by a workspace now and then, by
-how the threads' exits happened to interleave (on the H200, 70 MiB over eight batches of
-eight requests in one run, 5 MiB in another). A worker keeps its handle for its life, so the
-handles, and their workspaces, number at most the workers: the most members ever alive at
-once (plus the idle ones kept, ``IDLE_MAX``).
+new ones, each with a new workspace, as often as the threads' exits happen to interleave so.
+That is the likely cause, read in torch's code, of device memory that grew by 70 MiB over eight
+batches of eight requests in one H200 run and by 5 MiB in another; not yet confirmed there. A
+worker keeps its handle for its life, so the handles, and their workspaces, number at most the
+workers: the most members ever alive at once (the idle ones kept up to ``IDLE_MAX``).
 
 Each member still runs alone on its thread, in the ``contextvars`` context its group gave it.
 After each member its worker's CUDA device and current stream are set back to what a new
@@ -130,8 +130,8 @@ def _snapshot():
 def _restore(before) -> None:
     """Undo what a member did to this thread's CUDA state: the stream it made current on the
     device it ended on goes back to that device's default stream, and the device and stream
-    the thread had before the member come back (a device the member never left is not set:
-    setting one creates its context)."""
+    the thread had before the member come back. Where CUDA was not initialised before the
+    member, no device is set (setting one would create its context)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return
