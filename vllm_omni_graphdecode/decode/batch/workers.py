@@ -12,6 +12,11 @@ batches of eight requests in one H200 run and by 5 MiB in another; not yet confi
 worker keeps its handle for its life, so the handles, and their workspaces, number at most the
 workers: the most members ever alive at once (the idle ones kept up to ``IDLE_MAX``).
 
+Not ``concurrent.futures.ThreadPoolExecutor``: its future is done before its worker counts as
+idle again (the next batch can then start a new thread, the race above), and past
+``max_workers`` it queues work, where a member parked in a ``Ticks`` group holds its thread for
+as long as its request lives (queued members would wait for parked ones forever).
+
 Each member still runs alone on its thread, in the ``contextvars`` context its group gave it.
 After each member its worker's CUDA device and current stream are set back to what a new
 thread starts with: a member's ``torch.cuda.set_stream`` does not leak into the next. A forked
