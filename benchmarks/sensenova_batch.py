@@ -1,7 +1,7 @@
 """SenseNova-U1 under load: N requests through one ``forward`` (the plugin's batched decode)
 against the release serving the same requests one at a time (issue #22).
 
-    python3 benchmarks/sensenova_batch.py --out DIR [--cases step,text,think,overlap,wave] [--n 8]
+    python3 benchmarks/sensenova_batch.py --out DIR [--cases step,text,think,overlap,wave,memory] [--n 8]
                                           [--think-ns 1,2,4,16] [--tiny]
 
 Everything goes through ``SenseNovaU1Pipeline.forward`` with a real ``DiffusionRequestBatch``, as
@@ -33,6 +33,9 @@ Cases (rows of ``sensenova-batch.json``):
   with the exact branch-step graphs unless ``--denoise fast`` (rows end in ``_fast``) or an FP8
   option that covers the denoising (rows end in ``_fp8``) selects the fast body.
 
+- ``sensenova_batch_memory_n{N}`` (``memory``): device memory over ``--memory-batches`` batches
+  of N text answers, on the pooled worker threads and with a thread per member
+  (``bench_memory``).
 - ``sensenova_tick_overlap_b{N}`` (``overlap``) and ``sensenova_tick_wave_k{k}`` (``wave``): what
   a step-execution tick would gain from running its decode launch and its denoising on two CUDA
   streams at once, and from one GEMM over several requests' denoising instead of one request
@@ -401,6 +404,70 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
     sr.at_first_branch(pipe, args, measure, seed=0, prompt=sr.PROMPT, tag="tick-modes")
 
 
+def bench_memory(pipe, args, rows_out: list, write=lambda: None) -> None:
+    """The ``memory`` case, ``sensenova_batch_memory_n{N}`` (issue #39: device memory grew by 70
+    MiB over eight batches in one H200 run, by 5 MiB in another): ``--memory-batches`` batches of
+    ``--n`` text answers (``--memory-tokens`` greedy tokens each), each batch one ``forward``,
+    twice over:
+
+    - ``pool``: the members on ``workers.WORKERS``'s long-lived threads, as the plugin runs them;
+    - ``thread_per_member``: the pool keeps no idle worker (``idle_max`` 0), so every member
+      runs on a thread of its own that exits after it: how batches ran before ``workers.py``.
+
+    After each batch (``gc.collect``, synchronize): the device memory in use (the driver's free
+    memory; every allocation, torch's and cuBLAS's own) and torch's allocated bytes. The growth
+    counted is from batch 2 to the last (batch 1 captures the graphs and grows the pool). The pool
+    side runs first, so that any handle the other side leaves behind cannot hide its growth.
+    Every batch's answers are compared with the first's (the same requests each time)."""
+    import gc
+
+    from vllm_omni_graphdecode.decode.batch import workers
+
+    case = f"sensenova_batch_memory_n{args.n}"
+    device = next(pipe.language_model.parameters()).device
+    if device.type != "cuda":
+        rows_out.append({"case": case, "skipped": "needs CUDA: the batched decode (and its "
+                                                  "worker threads) runs on CUDA only"})
+        write()
+        return
+    ask = SimpleNamespace(**{**vars(args), "text_tokens": args.memory_tokens,
+                             "text_prompt": args.memory_prompt})
+    requests = text_requests(args.n, ask, start=200)
+    row = {"case": case, "batches": args.memory_batches, "rows": args.n,
+           "tokens": args.memory_tokens, "prompt_tokens": args.memory_prompt}
+    idle_max = workers.WORKERS.idle_max
+    try:
+        for side in ("pool", "thread_per_member"):
+            workers.WORKERS.idle_max = idle_max if side == "pool" else 0
+            first, used, allocated, started, same = None, [], [], [], True
+            for _ in range(args.memory_batches):
+                outs = pipe.forward(_batch(requests))
+                outs = outs if isinstance(outs, list) else [outs]
+                answers = [_public(answer(o)) for o in outs]
+                first = answers if first is None else first
+                same = same and answers == first
+                gc.collect()
+                torch.cuda.synchronize()
+                free, total = torch.cuda.mem_get_info()
+                used.append(round((total - free) / 2**20, 1))
+                allocated.append(round(torch.cuda.memory_allocated() / 2**20, 1))
+                started.append(workers.WORKERS.started)
+            row[side] = {
+                "used_mib": used, "allocated_mib": allocated, "workers_started": started,
+                "growth_used_mib": round(used[-1] - used[min(1, len(used) - 1)], 1),
+                "growth_allocated_mib": round(allocated[-1] - allocated[min(1, len(used) - 1)],
+                                              1),
+                "answers_same_every_batch": same,
+                "errors": sum(1 for a in first if "error" in a)}
+            log(f"memory {side}: used {used[0]:.0f} -> {used[-1]:.0f} MiB, growth from batch 2 "
+                f"{row[side]['growth_used_mib']} MiB (allocated "
+                f"{row[side]['growth_allocated_mib']}), workers made {started}")
+    finally:
+        workers.WORKERS.idle_max = idle_max
+    rows_out.append(row)
+    write()
+
+
 # -- the request cases ------------------------------------------------------------------------
 
 def request_rows(kind: str, n: int, release: dict | None, ours: dict, args, *, rows: int,
@@ -449,7 +516,7 @@ def _row_counts(value: str) -> list[int]:
     return counts
 
 
-CASES = ("step", "text", "think", "overlap", "wave")
+CASES = ("step", "text", "think", "overlap", "wave", "memory")
 
 
 def _ks(value: str) -> tuple[int, ...]:
@@ -495,6 +562,12 @@ def main(argv=None) -> int:
                     help="overlap case: tokens each row decodes in one decode unit")
     ap.add_argument("--wave-ks", type=_ks, default=(1, 2, 4),
                     help="wave case: request counts k, comma-separated")
+    ap.add_argument("--memory-batches", type=int, default=12,
+                    help="memory case: batches on each side")
+    ap.add_argument("--memory-tokens", type=int, default=64,
+                    help="memory case: greedy tokens each text answer decodes")
+    ap.add_argument("--memory-prompt", type=int, default=128,
+                    help="memory case: prompt tokens of each text answer")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -602,6 +675,15 @@ def main(argv=None) -> int:
 
             traceback.print_exc()
             results.append({"case": "sensenova_batch_decode_step_b8", "error": repr(exc)})
+        write()
+    if "memory" in cases and not over_budget("memory"):
+        try:
+            bench_memory(pipe, args, results, write)
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            results.append({"case": f"sensenova_batch_memory_n{args.n}", "error": repr(exc)})
         write()
     tick_cases = [c for c in ("overlap", "wave") if c in cases]
     if tick_cases and not over_budget(",".join(tick_cases)):

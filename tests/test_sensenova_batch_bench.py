@@ -129,3 +129,19 @@ def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_pat
     (row,) = rows
     assert row["case"] == "sensenova_batch_step_profile_b8"
     assert row["file"] == "profile-batch-b8.json" and row["kernels_per_step"] == 0
+
+
+def test_memory_case_says_it_needs_cuda_where_the_batched_decode_is_refused(tmp_path):
+    """The memory case measures the worker threads of the batched decode, which runs on CUDA
+    only: on CPU it writes a row that says so and measures nothing (the H200 run holds the
+    figures)."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sensenova_batch.py"), "--out",
+           str(tmp_path), "--tiny", "--device", "cpu", "--cases", "memory", "--n", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(tmp_path, "sensenova-batch.json")) as f:
+        rows = json.load(f)["cases"]
+    assert rows == [{"case": "sensenova_batch_memory_n2",
+                     "skipped": "needs CUDA: the batched decode (and its worker threads) runs "
+                                "on CUDA only"}]
