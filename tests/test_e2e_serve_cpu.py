@@ -434,3 +434,24 @@ def test_load_scenario_sends_warmups_then_each_kind_at_once_at_the_asked_shape(t
     think = report["sensenova_load_think_3"]["answers"]
     assert all(a["image_shape"] == [32, 32, 3] and "image" not in a for a in think)
     assert len({a["think_text"] for a in think}) == 3
+
+
+def test_serve_cases_setting_starts_the_named_servers_and_refuses_unknown_names(monkeypatch):
+    """``GRAPHDECODE_SERVE_CASES`` names the servers the GPU module starts (a device call with
+    room for a few); a test that reads a case left out skips naming the setting; an unknown
+    name is refused with the accepted ones."""
+    monkeypatch.delenv("GRAPHDECODE_SERVE_CASES", raising=False)
+    assert serve_gpu._cases_asked() is None
+    monkeypatch.setenv("GRAPHDECODE_SERVE_CASES", "sensenova_step_on, sensenova_on")
+    assert serve_gpu._cases_asked() == ["sensenova_step_on", "sensenova_on"]
+    monkeypatch.setenv("GRAPHDECODE_SERVE_CASES", "sensenova_step_on,nope")
+    with pytest.raises(ValueError, match="nope not accepted; accepted: sensenova_off"):
+        serve_gpu._cases_asked()
+    runs = serve_gpu._Runs({"sensenova_step_on": {"rc": 0}}, ["sensenova_step_on"])
+    assert runs["sensenova_step_on"] == {"rc": 0}
+    with pytest.raises(pytest.skip.Exception, match="sensenova_off not started: "
+                                                    "GRAPHDECODE_SERVE_CASES=sensenova_step_on"):
+        runs["sensenova_off"]
+    every = serve_gpu._Runs({}, None)  # every case asked: a missing one is the fixture's fault
+    with pytest.raises(KeyError):
+        every["sensenova_off"]

@@ -77,7 +77,8 @@ deploy YAML or ``--omni-dp-size-local`` on headless stage processes) and this te
 ``GRAPHDECODE_SERVE_OUT`` (default: a temporary folder) receives each server's ``server.log``,
 ``result.json``, stats files and images, and ``summary.json`` (one entry per request kind);
 ``GRAPHDECODE_SERVE_TIMEOUT`` (default 300 s) bounds each server's start,
-``GRAPHDECODE_SERVE_PARALLEL`` (default: all) how many run at once. On one H200 the whole file
+``GRAPHDECODE_SERVE_PARALLEL`` (default: all) how many run at once, ``GRAPHDECODE_SERVE_CASES``
+(comma-separated case names, default all) which start: the tests of the others skip. On one H200 the whole file
 took 3-5 minutes with eight servers (each server start is 30-60 s of imports, worker spawn and
 CUDA init, longer when eight start together); the two batch cases start beside them, and
 ``sensenova_batch8_on``'s requests (8 at once, 8 in turn: four 32-token texts and four 32x32 think
@@ -199,6 +200,35 @@ def _run_case(name: str, ckpts: dict[str, str], outdir: str, timeout: int) -> di
             "seconds": round(time.monotonic() - start, 1)}
 
 
+class _Runs(dict):
+    """The servers' runs by case; a case that ``GRAPHDECODE_SERVE_CASES`` left out skips the
+    tests that read it, naming the setting."""
+
+    def __init__(self, done, only):
+        super().__init__(done)
+        self.only = only
+
+    def __getitem__(self, name):
+        if name not in self and name in CASES and self.only is not None:
+            pytest.skip(f"server case {name} not started: GRAPHDECODE_SERVE_CASES="
+                        f"{','.join(self.only)}")
+        return super().__getitem__(name)
+
+
+def _cases_asked() -> list[str] | None:
+    """``GRAPHDECODE_SERVE_CASES`` (comma-separated case names; unset: every case): which
+    servers the module starts, for a device call with room for a few."""
+    value = os.environ.get("GRAPHDECODE_SERVE_CASES", "").strip()
+    if not value:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"GRAPHDECODE_SERVE_CASES: {', '.join(unknown)} not accepted; "
+                         f"accepted: {', '.join(CASES)}")
+    return names
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     outdir = os.environ.get("GRAPHDECODE_SERVE_OUT") or str(tmp_path_factory.mktemp("e2e_serve"))
@@ -206,10 +236,12 @@ def runs(tmp_path_factory):
     ckpts = offline._make_checkpoints(str(tmp_path_factory.mktemp("serve_checkpoints")))
     timeout = int(os.environ.get("GRAPHDECODE_SERVE_TIMEOUT", "300"))
     parallel = int(os.environ.get("GRAPHDECODE_SERVE_PARALLEL", str(len(CASES))))
+    only = _cases_asked()
     done = {}
     try:
         with ThreadPoolExecutor(max_workers=parallel) as pool:
-            futures = {n: pool.submit(_run_case, n, ckpts, outdir, timeout) for n in CASES}
+            futures = {n: pool.submit(_run_case, n, ckpts, outdir, timeout)
+                       for n in (only or CASES)}
             for name, future in futures.items():
                 try:
                     done[name] = future.result()
@@ -222,7 +254,7 @@ def runs(tmp_path_factory):
             json.dump(summary, f, indent=2, default=str)
         print(f"\ne2e serve runs ({outdir}): "
               f"{ {n: (r['rc'], r['seconds']) for n, r in done.items()} }")
-    return done
+    return _Runs(done, only)
 
 
 # ---------------------------------------------------------------------------------------------
