@@ -81,10 +81,10 @@ def _no_room(monkeypatch, decoder, free_blocks):
 
 def _vllm_pool_takes_a_capture():
     """vLLM's global graph pool still takes a capture: vLLM's runners and vllm-omni 0.30's own
-    SenseNova-U1 decode capture there, in the same process as the plugin. On the H200 (0.30),
-    after this file's faults, the plugin-off decode failed there with "already recording to
-    mempool_id" while the plugin's own captures went on in the private pool it takes after a
-    repair; each fault below ends by checking the pool, to name the one that leaves it so."""
+    SenseNova-U1 decode capture there, in the same process as the plugin. On the H200 (0.30,
+    torch 2.11), while the plugin's graphs lived in that pool, the batched decode's failed
+    capture left it refusing captures ("already recording to mempool_id", h200-2026-12-05b);
+    the plugin's graphs now have a pool of their own. Each fault below ends by checking it."""
     from vllm.platforms import current_platform
 
     graph, x = torch.cuda.CUDAGraph(), torch.zeros(4, device="cuda")

@@ -533,10 +533,10 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
     """A host sync inside the captured step makes the capture fail. The request goes on with the
     same step without graphs and equals the eager pipeline; then the three things a failed capture leaves broken are
     checked: the thread's stream is the one it was, ``torch.randn`` on the device works (the CUDA
-    generator left capture mode), and a later capture succeeds (in a fresh pool). The eager
-    reference runs first: on vllm-omni 0.30 its in-tree decode captures into vLLM's global pool,
-    which a failed capture leaves refusing captures on torch 2.11 ("already recording to
-    mempool_id", h200-2026-12-01i; ``cuda_graphs``' docstring, what is left open)."""
+    generator left capture mode), and a later capture succeeds (in a fresh pool). vLLM's global
+    pool still takes a capture (the plugin's graphs have a pool of their own: a failed capture
+    leaves its pool refusing captures on torch 2.11, ``graphs/capture.py``), and so does the
+    plugin-off pipeline afterwards, whose decode captures there on vllm-omni 0.30."""
     real_forward = step_mod.Step.forward
 
     def forward_with_a_sync(self, cache):
@@ -546,12 +546,12 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
         return out
 
     stream = torch.cuda.current_stream()
-    want = _think(_pipe(gpu, cfg=False), gpu.ids, 80)
     pipe = _pipe(gpu, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0"))
     monkeypatch.setattr(step_mod.Step, "forward", forward_with_a_sync)
     got = _think(pipe, gpu.ids, 80)
     monkeypatch.setattr(step_mod.Step, "forward", real_forward)
     assert stats.fallbacks(MODEL) == {f"{MODEL}: {hook.CAPTURE_FAILED}": 1}
+    want = _think(_pipe(gpu, cfg=False), gpu.ids, 80)  # after the failure: vLLM's pool is whole
     _same_tokens_up_to_a_tie(got, want, tie=TIE, logit_tol=0.25)
     assert torch.cuda.current_stream() == stream
     torch.randn(16, device="cuda").sum().item()
@@ -560,6 +560,13 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
     x.fill_(2)
     captured.graph.replay()
     assert captured.output.tolist() == [3.0] * 4
+    from vllm.platforms import current_platform
+
+    y = torch.zeros(4, device="cuda")
+    in_vllm = cuda_graphs.capture(lambda: y + 1, torch.device("cuda"),
+                                  pool=current_platform.get_global_graph_pool())
+    in_vllm.graph.replay()
+    assert in_vllm.output.tolist() == [1.0] * 4
     pipe.release_captured_graphs()  # a sleep clears the sticky failure: graphs again
     _think(pipe, gpu.ids, 80)
     assert stats.get(MODEL, "replay") > 0
@@ -579,7 +586,7 @@ def test_gpu_a_dead_graph_collected_during_a_capture(gpu, monkeypatch, collector
         monkeypatch.setattr(cuda_graphs, "_recording", contextlib.nullcontext)
     device = torch.device("cuda")
     # A pool of the test's own: a capture that fails leaves its pool refusing captures
-    # (h200-2026-12-02 capture-failure-0.26), and vLLM's, the plugin's, serves the later tests.
+    # (h200-2026-12-02 capture-failure-0.26), and the plugin's pool serves the later tests.
     pool = torch.cuda.graph_pool_handle()
     anchor = cuda_graphs._pin(pool, device)  # as the plugin's pools: never without a graph
     x = torch.zeros(4, device=device)

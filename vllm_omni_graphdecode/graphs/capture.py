@@ -9,7 +9,7 @@ capture routine with recovery, one verify comparison.
    allocations must not happen inside the capture). The second warm-up runs exactly what the
    capture records, with whatever the first one cached in place; its output is the eager
    reference verify mode may compare a replay with.
-2. Capture ``fn`` into vLLM's global graph pool, with ``capture_error_mode="thread_local"``:
+2. Capture ``fn`` into the plugin's graph pool (below), with ``capture_error_mode="thread_local"``:
    another thread's CUDA work (a second request running eagerly on the same model, another
    model's step) neither joins the capture nor invalidates it. torch's default, ``"global"``,
    made such a thread fail with "operation not permitted when stream is capturing" and the
@@ -39,28 +39,37 @@ swap the pool under another capture. Replays take no lock.
 
 The memory pool:
 
-One pool, vLLM's global one (``current_platform.get_global_graph_pool()``): replays are serialized
-on one stream, so intermediates of different graphs may share memory and memory does not grow
-with each capture. A private pool per runner grew ~40 MiB per request upstream.
+One pool per device for every graph the plugin captures, a private one (``graph_pool()``):
+replays are serialized on one stream, so intermediates of different graphs may share memory and
+memory does not grow with each capture. A private pool per runner grew ~40 MiB per request
+upstream.
 
-Why the pool is pinned. The caching allocator counts the graphs alive in a pool; when the last
+Not vLLM's global pool (``current_platform.get_global_graph_pool()``), where vLLM's runners and
+vllm-omni 0.30's in-tree decode capture. A capture that fails leaves its pool
+refusing every later capture, in a way no Python binding undoes on torch 2.11: the device
+allocator's mark can be ended (``recover_failed_capture`` does), but torch also marks the pool
+in the pinned-host allocator at ``capture_begin``, and the pool still refused a capture after
+the repair (``benchmarks/probes/capture_failure.py``, h200-2026-12-02). The plugin replaces its
+own pool after a failure; vLLM's cannot be replaced. While the plugin's graphs lived in vLLM's
+pool, one failed capture of the plugin's (a batched decode capture that a sync broke, in a GPU
+test) left vLLM's pool refusing captures with "beginAllocateToPool: already recording to
+mempool_id" (H200, torch 2.11, vllm-omni 0.30, h200-2026-12-05b): the in-tree decode of a
+server whose plugin defers to it would then fail every capture. pytorch/pytorch#180395 (torch
+2.12) fixes the case where ``cudaStreamEndCapture`` itself fails; a failure before the end is
+pytorch/pytorch#190308 (open). What the plugin's graphs and vLLM's no longer share is their
+intermediates (the in-tree decode's per-token ones on 0.30).
+
+Why the pools are pinned. The caching allocator counts the graphs alive in a pool; when the last
 one is destroyed the count drops to 0 but the pool lingers until its blocks are freed, and the
 next capture into the same pool id then trips ``use_count > 0 INTERNAL ASSERT`` (seen on the H200
 with torch 2.11: after it, every capture in the process failed, and the CUDA generator was left
 mid-capture, so even ``torch.randn`` raised). vLLM never destroys its graphs; this plugin does
 (bucket growth, LRU eviction, sleep, verify mismatch). So the first use captures one tiny graph
-into the pool and keeps it for the life of the process: the count never reaches 0.
-
-What is left open. A capture that fails leaves vLLM's pool marked as recording in a way Python
-cannot end (``recover_failed_capture``): on the H200 (torch 2.11, vllm-omni 0.30), after one of the
-plugin's captures failed, the in-tree decode's next capture into vLLM's pool raised
-"beginAllocateToPool: already recording to mempool_id" (results h200-2026-12-01i). That is torch's:
-``capture_end`` raised before it ended the pool's marks. pytorch/pytorch#180395 (on the 2.12
-release branch) fixes it where ``cudaStreamEndCapture`` itself fails, as here; a failure before
-the end is pytorch/pytorch#190308 (open). vllm 0.30 pins torch 2.13. A pool of the plugin's own
-would keep the in-tree decode's pool clean; it is not used because the graphs in vLLM's pool pass
-every GPU file, and an own pool has not been measured since (docs/performance-history.md,
-"Measured and taken back").
+into the pool and keeps it for the life of the process: the count never reaches 0. vLLM's global
+pool gets such an anchor too (once per device, the plugin's only capture there): vllm-omni 0.30's
+in-tree decode frees its graphs when a request outgrows its buffers, and on torch 2.11 its next
+capture then tripped the same assert with the plugin off (h200-2026-12-01g, ``serve-0.30/``),
+where the plugin's graphs, alive in that pool, had kept its count above 0.
 """
 
 from __future__ import annotations
@@ -72,6 +81,10 @@ import threading
 from typing import Callable
 
 import torch
+
+from ..core import stats
+
+logger = stats.logger
 
 WARMUPS = 2
 
@@ -88,27 +101,52 @@ _FRESH = object()
 
 
 def graph_pool(device: torch.device | None = None):
-    """vLLM's global graph pool (a private one without vLLM, or after a failed capture), pinned."""
+    """The plugin's graph pool on the device: private, pinned, a fresh one after a failed
+    capture. The first call on a device also pins vLLM's global pool (module docstring)."""
     index = _index(device)
     with _lock:
         pool = _pools.get(index)
         if pool is None or pool is _FRESH:
-            pool = _vllm_pool() if pool is None else torch.cuda.graph_pool_handle()
-            _anchors.append(_pin(pool, torch.device("cuda", index)))
+            where = torch.device("cuda", index)
+            if pool is None:
+                _pin_vllm_pool(where)
+            pool = torch.cuda.graph_pool_handle()
+            _anchors.append(_pin(pool, where))
             _pools[index] = pool
         return pool
 
 
+def next_capture_in_a_new_pool(device: torch.device | None = None) -> None:
+    """The device's next capture, and every one after it, goes to a new pool of the plugin's.
+    Graphs that will replay at the same time on two streams must not share a pool: a pool's
+    graphs share their intermediates' memory on the promise that they replay one at a time."""
+    with _lock:
+        _pools[_index(device)] = _FRESH
+
+
 def _vllm_pool():
-    """vLLM's global graph pool, or a private one without vLLM (bare diffusers) or on a platform
-    without one (vLLM's Platform answers an attribute it lacks with None, not an error)."""
+    """vLLM's global graph pool, or None without vLLM (bare diffusers) or on a platform without
+    one (vLLM's Platform answers an attribute it lacks with None, not an error)."""
     try:
         from vllm.platforms import current_platform
     except ImportError:
-        return torch.cuda.graph_pool_handle()
+        return None
     get_pool = getattr(current_platform, "get_global_graph_pool", None)
-    pool = get_pool() if callable(get_pool) else None
-    return torch.cuda.graph_pool_handle() if pool is None else pool
+    return get_pool() if callable(get_pool) else None
+
+
+def _pin_vllm_pool(device: torch.device) -> None:
+    """One anchor graph in vLLM's global pool, kept for the life of the process; nothing without
+    vLLM. Where that pool cannot take even this capture, vLLM's own captures will say so: the
+    plugin's graphs do not use it, so a warning is all."""
+    pool = _vllm_pool()
+    if pool is None:
+        return
+    try:
+        _anchors.append(_pin(pool, device))
+    except RuntimeError as exc:
+        logger.warning("graphdecode: vLLM's CUDA graph pool did not take an anchor graph (%s); "
+                       "the plugin's graphs use a pool of their own and are not affected", exc)
 
 
 def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
@@ -120,8 +158,9 @@ def recover_failed_capture(device: torch.device | None, pool, stream) -> None:
     stream; (2) the caching allocator keeps the pool marked as recording, so every later capture
     into it fails with "already recording to mempool_id"; (3) the CUDA generator stays in capture
     mode, so every later random op on the device raises "Offset increment outside graph capture"
-    (all three seen on the H200, torch 2.11). Each is repaired here; the pool is also replaced by a
-    fresh private one, since what else torch left half-done in it cannot be checked.
+    (all three seen on the H200, torch 2.11). Each is repaired here as far as Python reaches; the
+    pool is also replaced by a fresh private one, since torch 2.11 leaves a mark no binding ends
+    (module docstring) and what else it left half-done cannot be checked.
     """
     if not torch.cuda.is_available():  # the capture failed before touching a device
         return

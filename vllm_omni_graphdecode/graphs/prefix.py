@@ -15,7 +15,7 @@ Numbers
 
     Memory per entry: its prefix buffers, layers x 2 x batch x prefix_len x heads x head_dim x dtype
     bytes (32 layers of 32 heads x 128, bf16, batch 1: prefix 256 -> 134 MB; a two-reference
-    edit, prefix 8,448 -> 4.4 GB), plus the graph's share of the global graph pool. While an entry
+    edit, prefix 8,448 -> 4.4 GB), plus the graph's share of the plugin's graph pool. While an entry
     is live the request's cache is re-pointed at these buffers, so that costs nothing extra; a free
     entry keeps them until it is reused or evicted (at most ``max_entries`` entries in all).
 
