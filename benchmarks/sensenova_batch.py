@@ -375,6 +375,11 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
             write()
 
     def decode_unit():
+        # The decode unit's graphs replay beside the branch's on another stream: a pool of their
+        # own (the first H200 run shared one and met an illegal memory access; h200-2026-12-05b).
+        from vllm_omni_graphdecode.graphs import capture
+
+        capture.next_capture_in_a_new_pool(device)
         decoder = getattr(pipe, sensenova_u1.STATE_ATTR).batch._decoder()
         ctx = args.context
         prefix_logits, make_cache = rm.random_prefix(pipe.language_model, ctx - 1, seed=ctx)
