@@ -239,12 +239,8 @@ def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoin
 
 
 def test_gpu_device_memory_is_flat_from_batch_5_to_20(checkpoint):  # noqa: F811
-    """Also: every batch after the first runs on the worker threads the first made. Each thread
-    that calls cuBLAS holds a handle, and torch keeps a workspace per handle and stream until the
-    process ends; with a thread per member, a batch started right after the last one could find
-    handles not yet given back by the exiting threads and make new ones (the likely cause of
-    70 MiB over eight batches at the real shape in one H200 run, 5 MiB in another;
-    ``decode/batch/workers.py``)."""
+    """Also: every batch after the first runs on the worker threads the first made (no new
+    thread, so no new cuBLAS handle or workspace; ``decode/batch/workers.py``)."""
     pipe = _pipeline(checkpoint, rows=4)
     requests = [_request(i, f"request number {i}", text=40 + 10 * i) for i in range(4)]
     free = {}

@@ -7,10 +7,15 @@ Hopper) until the process ends. A thread hands its handle back only in its C++ t
 destructors, which can run after Python's ``join()`` has returned: a batch whose members start
 right after the last batch's members were joined can find those handles still taken and make
 new ones, each with a new workspace, as often as the threads' exits happen to interleave so.
-That is the likely cause, read in torch's code, of device memory that grew by 70 MiB over eight
-batches of eight requests in one H200 run and by 5 MiB in another; not yet confirmed there. A
-worker keeps its handle for its life, so the handles, and their workspaces, number at most the
+A worker keeps its handle for its life, so the handles, and their workspaces, number at most the
 workers: the most members ever alive at once (the idle ones kept up to ``IDLE_MAX``).
+
+This was read in torch's code as the likely cause of device memory that grew by 70 MiB over
+eight batches of eight mixed requests in one H200 run (5 MiB in another). Measured since, it is
+not: at the released shape, 12 batches of 8 text answers with a thread per member made 96
+threads and grew device memory by 0 MiB, as the pool did with 8 (``sensenova_batch.py --cases
+memory``, h200-2026-12-05b). The pool stays (8 threads instead of one per member per batch); the
+growth's cause is still open.
 
 Not ``concurrent.futures.ThreadPoolExecutor``: its future is done before its worker counts as
 idle again (the next batch can then start a new thread, the race above), and past
