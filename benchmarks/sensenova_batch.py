@@ -34,8 +34,9 @@ Cases (rows of ``sensenova-batch.json``):
   option that covers the denoising (rows end in ``_fp8``) selects the fast body.
 
 - ``sensenova_batch_memory_n{N}`` (``memory``): device memory over ``--memory-batches`` batches
-  of N text answers, on the pooled worker threads and with a thread per member
-  (``bench_memory``).
+  of N text answers (``--memory-mix mixed``: half of them think images,
+  ``sensenova_batch_memory_mixed_n{N}``), on the pooled worker threads and with a thread per
+  member (``bench_memory``).
 - ``sensenova_tick_overlap_b{N}`` (``overlap``) and ``sensenova_tick_wave_k{k}`` (``wave``): what
   a step-execution tick would gain from running its decode launch and its denoising on two CUDA
   streams at once, and from one GEMM over several requests' denoising instead of one request
@@ -409,11 +410,17 @@ def bench_tick_modes(pipe, args, cases, rows_out: list, write=lambda: None) -> N
     sr.at_first_branch(pipe, args, measure, seed=0, prompt=sr.PROMPT, tag="tick-modes")
 
 
+def memory_case(args) -> str:
+    mix = "" if args.memory_mix == "text" else f"{args.memory_mix}_"
+    return f"sensenova_batch_memory_{mix}n{args.n}"
+
+
 def bench_memory(pipe, args, rows_out: list, write=lambda: None) -> None:
     """The ``memory`` case, ``sensenova_batch_memory_n{N}`` (issue #39: device memory grew by 70
-    MiB over eight batches in one H200 run, by 5 MiB in another): ``--memory-batches`` batches of
-    ``--n`` text answers (``--memory-tokens`` greedy tokens each), each batch one ``forward``,
-    twice over:
+    MiB over eight batches of eight mixed requests in one H200 run, by 5 MiB in another):
+    ``--memory-batches`` batches of ``--n`` requests, each batch one ``forward``: text answers
+    (``--memory-tokens`` greedy tokens each), or with ``--memory-mix mixed`` half of them think
+    text-to-image requests (``--size``, ``--memory-steps`` steps, CFG ``--cfg``); twice over:
 
     - ``pool``: the members on ``workers.WORKERS``'s long-lived threads, as the plugin runs them;
     - ``thread_per_member``: the pool keeps no idle worker (``idle_max`` 0), so every member
@@ -428,18 +435,21 @@ def bench_memory(pipe, args, rows_out: list, write=lambda: None) -> None:
 
     from vllm_omni_graphdecode.decode.batch import workers
 
-    case = f"sensenova_batch_memory_n{args.n}"
-    device = next(pipe.language_model.parameters()).device
-    if device.type != "cuda":
-        rows_out.append({"case": case, "skipped": "needs CUDA: the batched decode (and its "
-                                                  "worker threads) runs on CUDA only"})
+    ask = SimpleNamespace(**{**vars(args), "text_tokens": args.memory_tokens,
+                             "text_prompt": args.memory_prompt, "steps": args.memory_steps})
+    thinks = args.n // 2 if args.memory_mix == "mixed" else 0
+    requests = (text_requests(args.n - thinks, ask, start=200)
+                + think_requests(thinks, ask, start=200))
+    row = {"case": memory_case(args), "batches": args.memory_batches, "rows": args.n,
+           "mix": args.memory_mix, "text_answers": args.n - thinks, "think_images": thinks,
+           "tokens": args.memory_tokens, "prompt_tokens": args.memory_prompt}
+    if thinks:
+        row.update(size=args.size, steps=args.memory_steps, cfg=args.cfg)
+    if next(pipe.language_model.parameters()).device.type != "cuda":
+        rows_out.append({**row, "skipped": "needs CUDA: the batched decode (and its worker "
+                                           "threads) runs on CUDA only"})
         write()
         return
-    ask = SimpleNamespace(**{**vars(args), "text_tokens": args.memory_tokens,
-                             "text_prompt": args.memory_prompt})
-    requests = text_requests(args.n, ask, start=200)
-    row = {"case": case, "batches": args.memory_batches, "rows": args.n,
-           "tokens": args.memory_tokens, "prompt_tokens": args.memory_prompt}
     idle_max = workers.WORKERS.idle_max
     try:
         for side in ("pool", "thread_per_member"):
@@ -573,6 +583,10 @@ def main(argv=None) -> int:
                     help="memory case: greedy tokens each text answer decodes")
     ap.add_argument("--memory-prompt", type=int, default=128,
                     help="memory case: prompt tokens of each text answer")
+    ap.add_argument("--memory-mix", choices=("text", "mixed"), default="text",
+                    help="memory case: text answers only, or half think images")
+    ap.add_argument("--memory-steps", type=int, default=4,
+                    help="memory case, mixed: denoising steps of each think image")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--lm-only", action="store_true",
                     help="step case only: the language model at the real shape on a bare "
@@ -688,7 +702,7 @@ def main(argv=None) -> int:
             import traceback
 
             traceback.print_exc()
-            results.append({"case": f"sensenova_batch_memory_n{args.n}", "error": repr(exc)})
+            results.append({"case": memory_case(args), "error": repr(exc)})
         write()
     tick_cases = [c for c in ("overlap", "wave") if c in cases]
     if tick_cases and not over_budget(",".join(tick_cases)):

@@ -131,17 +131,25 @@ def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_pat
     assert row["file"] == "profile-batch-b8.json" and row["kernels_per_step"] == 0
 
 
-def test_memory_case_says_it_needs_cuda_where_the_batched_decode_is_refused(tmp_path):
+@pytest.mark.parametrize("mix, name, kinds", [
+    ("text", "sensenova_batch_memory_n2", {"text_answers": 2, "think_images": 0}),
+    ("mixed", "sensenova_batch_memory_mixed_n2", {"text_answers": 1, "think_images": 1}),
+])
+def test_memory_case_says_it_needs_cuda_where_the_batched_decode_is_refused(tmp_path, mix, name,
+                                                                           kinds):
     """The memory case measures the worker threads of the batched decode, which runs on CUDA
-    only: on CPU it writes a row that says so and measures nothing (the H200 run holds the
-    figures)."""
+    only: on CPU it writes a row that names its requests and says so, and measures nothing (the
+    H200 run holds the figures); a mixed batch is half think images."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "sensenova_batch.py"), "--out",
-           str(tmp_path), "--tiny", "--device", "cpu", "--cases", "memory", "--n", "2"]
+           str(tmp_path), "--tiny", "--device", "cpu", "--cases", "memory", "--n", "2",
+           "--memory-mix", mix]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(tmp_path, "sensenova-batch.json")) as f:
         rows = json.load(f)["cases"]
-    assert rows == [{"case": "sensenova_batch_memory_n2",
-                     "skipped": "needs CUDA: the batched decode (and its worker threads) runs "
-                                "on CUDA only"}]
+    assert len(rows) == 1 and rows[0]["case"] == name
+    assert {k: rows[0][k] for k in kinds} == kinds
+    assert rows[0]["skipped"] == ("needs CUDA: the batched decode (and its worker threads) runs "
+                                  "on CUDA only")
+    assert "used_mib" not in json.dumps(rows[0])
