@@ -12,10 +12,10 @@ workers: the most members ever alive at once (the idle ones kept up to ``IDLE_MA
 
 This was read in torch's code as the likely cause of device memory that grew by 70 MiB over
 eight batches of eight mixed requests in one H200 run (5 MiB in another). Measured since, it is
-not: at the released shape, 12 batches of 8 text answers with a thread per member made 96
-threads and grew device memory by 0 MiB, as the pool did with 8 (``sensenova_batch.py --cases
-memory``, h200-2026-12-05b). The pool stays (8 threads instead of one per member per batch); the
-growth's cause is still open.
+not: over 12 batches of 8 requests at a real model's shape, a thread per member made 96 threads
+and grew device memory by 0 MiB, as the pool did with 8 (the batch benchmark's ``memory`` case,
+h200-2026-12-05b). The pool stays (8 threads instead of one per member per batch); the growth's
+cause is still open.
 
 Not ``concurrent.futures.ThreadPoolExecutor``: its future is done before its worker counts as
 idle again (the next batch can then start a new thread, the race above), and past
