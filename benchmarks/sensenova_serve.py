@@ -2,7 +2,7 @@
 sent at once with the ``openai`` client, the release one at a time against the plugin's batch
 (issue #22: "one run over HTTP at N = 8 on the real shape").
 
-    python3 benchmarks/sensenova_serve.py --out DIR [--sides release,plugin] [--n 8]
+    python3 benchmarks/sensenova_serve.py --out DIR [--sides release,plugin,step] [--n 8]
                                           [--checkpoint DIR] [--tiny]
 
 ``sensenova_batch.py`` calls ``forward`` as vLLM-Omni's runner does; this starts the server
@@ -21,6 +21,9 @@ the image's PNG round trip and when requests happen to arrive.
   and one of the rest, unless ``--batch-wait-ms`` passes vLLM-Omni's own
   ``--request-batch-max-wait-ms`` (it holds the first request until the queue stops growing or
   the wait ends).
+- ``step`` (only when named): ``VLLM_OMNI_GRAPHDECODE=1``, ``--step-execution --max-num-seqs
+  16`` (N, if larger): the plugin's continuous batching (issue #41), the N requests joining the
+  running batch as they arrive; its rows are named ``..._step`` and compared with the release.
 
 Each server first answers one warm-up request of each kind (untimed: first-call compiles and
 captures), then N text answers at once (``--text-prompt-chars``-byte prompts, ``--text-tokens``
@@ -53,7 +56,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 DRIVER = os.path.join(ROOT, "tests", "e2e_serve.py")
-SIDES = ("release", "plugin")
+SIDES = ("release", "plugin", "step")
 SILENT = ("<|im_end|>", "</think>")  # the think loop's and the answer's stops
 SHARD_BYTES = 4 << 30
 MODEL_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
@@ -99,6 +102,10 @@ def run_side(side: str, args, checkpoint: str) -> dict:
         serve_args += ["--max-num-seqs", str(args.n)]
         if args.batch_wait_ms:
             serve_args += ["--request-batch-max-wait-ms", str(args.batch_wait_ms)]
+    elif side == "step":
+        env["VLLM_OMNI_GRAPHDECODE"] = "1"
+        env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
+        serve_args += ["--step-execution", "--max-num-seqs", str(max(16, args.n))]
     else:
         env["VLLM_OMNI_GRAPHDECODE"] = "0"
     cmd = [sys.executable, DRIVER, "--scenario", "sensenova_load", "--model", checkpoint,
@@ -133,6 +140,10 @@ def run_driver(cmd: list[str], env: dict, out: str, label: str) -> tuple[int, fl
 
 BATCH_COUNTERS = ("batch_forward", "batch_requests", "batch_launch", "batch_rows",
                   "batch_row_join", "batch_eager_launch")
+STEP_COUNTERS = ("step_tick", "step_request", "step_finished", "step_denoise_held",
+                 "batch_launch", "batch_rows", "batch_eager_launch")
+# The plugin's sides: (side, row-name suffix, the counters its rows keep).
+PLUGIN_SIDES = (("plugin", "", BATCH_COUNTERS), ("step", "_step", STEP_COUNTERS))
 
 
 def counters(side: dict | None, part: str = "counters") -> dict:
@@ -153,39 +164,42 @@ def _kind(side: dict | None, kind: str) -> dict | None:
 
 
 def rows(sides: dict, args) -> list[dict]:
-    """A row for each kind either side answered (an errored kind has no wall time): wall times,
-    their ratio where both sides have one, latency percentiles, the plugin's batch counters."""
+    """A row for each kind and plugin side (``plugin``: request mode; ``step``: its rows end in
+    ``_step``) that it or the release answered (an errored kind has no wall time): wall times,
+    their ratio where both sides have one, latency percentiles, the side's counters."""
     import common
 
     names = {f"sensenova_load_text_{args.n}": f"sensenova_serve_text_n{args.n}",
              f"sensenova_load_think_{args.n}":
                  f"sensenova_serve_think_t2i_{args.size}_n{args.n}"}
     out = []
-    for kind, case in names.items():
-        release, plugin = _kind(sides.get("release"), kind), _kind(sides.get("plugin"), kind)
-        if release is None and plugin is None:
-            continue
-        row = common.case(case, release and 1000 * release["wall_s"],
-                          plugin and 1000 * plugin["wall_s"], None, requests=args.n)
-        for name, entry in (("eager", release), ("ours", plugin)):
-            if entry is not None:
-                lat = common.percentiles([1000 * s for s in entry["latency_s"]])
-                row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
-                row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
-        row["plugin_serve_args"] = (sides.get("plugin") or {}).get("serve_args")
-        plugin_counters = counters(sides.get("plugin"))
-        row["plugin_counters_whole_run"] = {k: v for k, v in plugin_counters.items()
-                                            if k.rsplit(".", 1)[-1] in BATCH_COUNTERS}
-        row["plugin_fallbacks_whole_run"] = counters(sides.get("plugin"), "fallbacks")
-        out.append(row)
+    for side, suffix, kept in PLUGIN_SIDES:
+        if side == "step" and side not in sides:
+            continue  # named only: no release-only rows of its own
+        for kind, case in names.items():
+            release, plugin = _kind(sides.get("release"), kind), _kind(sides.get(side), kind)
+            if release is None and plugin is None:
+                continue
+            row = common.case(case + suffix, release and 1000 * release["wall_s"],
+                              plugin and 1000 * plugin["wall_s"], None, requests=args.n)
+            for name, entry in (("eager", release), ("ours", plugin)):
+                if entry is not None:
+                    lat = common.percentiles([1000 * s for s in entry["latency_s"]])
+                    row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
+                    row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
+            row["plugin_serve_args"] = (sides.get(side) or {}).get("serve_args")
+            plugin_counters = counters(sides.get(side))
+            row["plugin_counters_whole_run"] = {k: v for k, v in plugin_counters.items()
+                                                if k.rsplit(".", 1)[-1] in kept}
+            row["plugin_fallbacks_whole_run"] = counters(sides.get(side), "fallbacks")
+            out.append(row)
     return out
-
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--sides", default="release,plugin",
-                    help="which servers to run now, in order (release, plugin)")
+                    help="which servers to run now, in order (release, plugin, step)")
     ap.add_argument("--n", type=int, default=8, help="requests sent at once, per kind")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=50)

@@ -176,9 +176,50 @@ def test_rows_compare_the_two_sides_wall_times_and_latencies():
     assert only["sensenova_serve_text_n2"]["speedup"] is None
 
 
+def test_step_side_rows_compare_continuous_batching_with_the_release():
+    """The ``step`` side (``--step-execution``): rows of their own, ``_step``, against the same
+    release, with the step counters; request mode's rows stay as they were."""
+    args = serve.argparse.Namespace(n=2, size=1024)
+    sides = {"release": _side(10.0, 40.0, [5.0, 10.0], [20.0, 40.0]),
+             "plugin": _side(2.0, 16.0, [2.0, 2.0], [15.0, 16.0]),
+             "step": _side(2.5, 20.0, [2.0, 2.5], [10.0, 20.0],
+                           {"sensenova_u1.step_tick": 700, "sensenova_u1.step_request": 4,
+                            "sensenova_u1.batch_forward": 1, "sensenova_u1.graph_replay": 9})}
+    rows = {r["case"]: r for r in serve.rows(sides, args)}
+    assert set(rows) == {"sensenova_serve_text_n2", "sensenova_serve_think_t2i_1024_n2",
+                         "sensenova_serve_text_n2_step", "sensenova_serve_think_t2i_1024_n2_step"}
+    step = rows["sensenova_serve_think_t2i_1024_n2_step"]
+    assert (step["eager_ms"], step["ours_ms"], step["speedup"]) == (40000, 20000, 2.0)
+    assert (step["ours_p50_ms"], step["ours_p99_ms"]) == (20000, 20000)
+    assert step["plugin_counters_whole_run"] == {"sensenova_u1.step_tick": 700,
+                                                 "sensenova_u1.step_request": 4}
+    assert rows["sensenova_serve_think_t2i_1024_n2"]["speedup"] == 2.5
+    without = {r["case"] for r in serve.rows({"release": sides["release"]}, args)}
+    assert without == {"sensenova_serve_text_n2", "sensenova_serve_think_t2i_1024_n2"}
+
+
+def test_step_side_starts_the_server_with_step_execution(tmp_path, monkeypatch):
+    """What the ``step`` server is started with: the plugin on, ``--step-execution`` and at
+    least 16 rows, as users start continuous batching."""
+    seen = {}
+
+    def fake_driver(cmd, env, out, label):
+        seen.update(cmd=cmd, env=env)
+        return 0, 1.0, None
+
+    monkeypatch.setattr(serve, "run_driver", fake_driver)
+    args = serve.argparse.Namespace(out=str(tmp_path), n=8, size=1024, steps=50, text_tokens=16,
+                                    text_prompt_chars=100, init_timeout=60, request_timeout=60,
+                                    batch_wait_ms=0.0)
+    side = serve.run_side("step", args, str(tmp_path / "ckpt"))
+    assert side["serve_args"] == serve.MODEL_ARGS + ["--step-execution", "--max-num-seqs", "16"]
+    assert seen["env"]["VLLM_OMNI_GRAPHDECODE"] == "1"
+    assert "--serve-arg=--step-execution" in seen["cmd"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--sides", "release,turbo"],
-     "--sides release,turbo: unknown ['turbo']; accepted: release, plugin"),
+     "--sides release,turbo: unknown ['turbo']; accepted: release, plugin, step"),
     (["--tiny", "--size", "40"], "--size 40: the tiny model needs a multiple of 16"),
 ])
 def test_bad_arguments_name_the_value_and_what_is_accepted(tmp_path, capsys, argv, message):
