@@ -197,6 +197,46 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+BF16_WEIGHTS_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+
+# The kernel widens each weight to fp32 whatever its dtype: bf16 weights with unit scales are the
+# bf16 row GEMV the probe's --bf16-gemv times against cuBLAS (issue #42).
+g = torch.Generator().manual_seed(3)
+for n, k, cfg in [(64, 1024, fp8_gemv.KernelConfig(8, 256, 4)),
+                  (72, 200, fp8_gemv.KernelConfig(16, 128, 4))]:
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    ones = torch.ones(n, dtype=torch.float32)
+    x = torch.randn(4, k, generator=g).bfloat16()
+    y = fp8_gemv.gemv(x, w, ones, None, cfg)
+    want = (x.float() @ w.float().T).bfloat16()
+    assert y.dtype == torch.bfloat16 and y.shape == (4, n)
+    # fp32 sums in another order, one bf16 rounding: within one bf16 step of the exact product.
+    torch.testing.assert_close(y.float(), want.float(), rtol=2.0 ** -7, atol=1e-3)
+    assert torch.equal(fp8_gemv.gemv(x[2:3], w, ones, None, cfg)[0], y[2])
+print("ok")
+"""
+
+
+def test_one_row_gemv_reads_bf16_weights_with_unit_scales_under_triton_interpreter():
+    """The same kernel on bf16 weights (what the probe's ``--bf16-gemv`` measures): the product
+    within one bf16 rounding, rows computed as alone."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", BF16_WEIGHTS_INTERPRETED], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=root, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_fp8_gemv_block_sizes_come_from_the_shape_alone():
     """SenseNova-U1's shapes take the measured table's block sizes, which divide them evenly;
     another shape takes the rule's, with enough programs to keep every SM streaming."""

@@ -29,7 +29,9 @@ before the chain and uses the best (lowest sum of the two). --gemv-sweep times t
 block sizes per shape at one row, lm_head's too (``gemv_sweep``; the chain keeps
 ``config_for``'s), then the step's GEMVs as one chain with today's configs against the sweep's
 picks (``gemv_chain``; ``--gemv-only`` stops there; ``scripts/gpu/gemv_table.py`` writes the picks
-into ``gemv_table.MEASURED``). Prints the JSON document and writes it to DIR/fp8-gemv.json.
+into ``gemv_table.MEASURED``). --bf16-gemv: only the plugin's GEMV kernel on the bf16 weights
+themselves against cuBLAS (``bf16_gemv``, issue #42). Prints the JSON document and writes it to
+DIR/fp8-gemv.json.
 """
 
 from __future__ import annotations
@@ -352,6 +354,9 @@ def main(argv=None) -> int:
                          "configs against the picks)")
     ap.add_argument("--lm-head-only", action="store_true",
                     help="only lm_head, both ways (bf16, the Triton kernel, Marlin)")
+    ap.add_argument("--bf16-gemv", action="store_true",
+                    help="only the plugin's one-row GEMV on the bf16 weights against cuBLAS "
+                         "(issue #42; bf16_gemv)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
@@ -363,6 +368,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     if args.lm_head_only:
         doc["lm_head"] = lm_head(rows_list)
+        return _write(doc, args.out, t0)
+    if args.bf16_gemv:
+        doc["bf16_gemv"] = bf16_gemv(args.layers)
         return _write(doc, args.out, t0)
     if args.sweep:
         best, doc["sweep"] = sweep(args.layers, (1, 16))
@@ -456,6 +464,94 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
     doc["lm_head"] = lm_head(rows_list)
     return _write(doc, args.out, t0)
+
+
+BF16_SWEEP = [gemv.KernelConfig(bn, bk, w, st)
+              for bn in (4, 8, 16) for bk in (128, 256, 512, 1024)
+              for (w, st) in ((4, 1), (8, 1))]
+
+
+def bf16_gemv(layers: int) -> dict:
+    """Issue #42: the plugin's one-row GEMV kernel (``ops/fp8/gemv.py``, block sizes fixed per
+    shape: every process rounds alike) reading the bf16 weights themselves, unit scales, against
+    cuBLAS (``F.linear``, what the bf16 fused step runs), at one row. Per shape (the four
+    decoder-layer shapes and lm_head): us per call of each config (a chain of ``layers`` copies,
+    ``HEAD_COPIES`` for lm_head) and cuBLAS's, the best config; then the step's GEMVs as one
+    graph, cuBLAS against the best configs, three times each, alternated; the kernel's output
+    against its fp32 restatement and cuBLAS's, and row 0 of a 16-row call against the one-row
+    call. Says whether a bf16 row GEMV is worth wiring into the bf16 step: not wired."""
+    shapes = {**SHAPES, "lm_head": (VOCAB, HIDDEN)}
+    out = {"shapes": {}}
+    picks = {}
+    for name, (n, k) in shapes.items():
+        copies = HEAD_COPIES if name == "lm_head" else layers
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        ones = torch.ones(n, device="cuda", dtype=torch.float32)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        rows = [{"config": "cublas",
+                 "us": round(graph_ms(lambda: [F.linear(x, w) for w in ws]) * 1000 / copies, 2)}]
+        for cfg in BF16_SWEEP:
+            if n % cfg.block_n or k % cfg.block_k:
+                continue
+            entry = {"config": dataclasses.asdict(cfg)}
+            try:
+                entry["us"] = round(graph_ms(
+                    lambda: [gemv.gemv(x, w, ones, None, cfg) for w in ws]) * 1000 / copies, 2)
+            except Exception as exc:  # noqa: BLE001 - reported
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(entry)
+        ok = [r for r in rows[1:] if "error" not in r]
+        best = min(ok, key=lambda r: r["us"])
+        picks[name] = gemv.KernelConfig(**best["config"])
+        w0 = ws[0]
+        x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+        y = gemv.gemv(x16, w0, ones, None, picks[name]).float()
+        exact = x16.float() @ w0.float().T
+        blas = F.linear(x16, w0).float()
+        out["shapes"][name] = {
+            "shape": [n, k], "cublas_us": rows[0]["us"], "best": best,
+            "floor_us": round(n * k * 2 / 4.28e12 * 1e6, 2),
+            "rel_err_vs_fp32": round(float((y - exact).norm() / exact.norm()), 6),
+            "cublas_rel_err_vs_fp32": round(float((blas - exact).norm() / exact.norm()), 6),
+            "row_invariant": bool(torch.equal(
+                gemv.gemv(x16[:1], w0, ones, None, picks[name])[0],
+                gemv.gemv(x16, w0, ones, None, picks[name])[0])),
+            "all": rows}
+        log("bf16", name, "cublas", rows[0]["us"], "best", best)
+        del ws
+        torch.cuda.empty_cache()
+    ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                 for _ in range(1 if name == "lm_head" else layers)]
+          for name, (n, k) in shapes.items()}
+    ones = {name: torch.ones(n, device="cuda", dtype=torch.float32)
+            for name, (n, k) in shapes.items()}
+    xs = {name: torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+          for name, (n, k) in shapes.items()}
+
+    def chain(kind):
+        def linear(name, i):
+            if kind == "cublas":
+                return F.linear(xs[name], ws[name][i])
+            return gemv.gemv(xs[name], ws[name][i], ones[name], None, picks[name])
+
+        def run():
+            for i in range(layers):
+                for name in SHAPES:
+                    linear(name, i)
+            linear("lm_head", 0)
+        return run
+
+    times = {"cublas": [], "row_gemv": []}
+    for _ in range(3):
+        for kind in times:
+            times[kind].append(graph_ms(chain(kind)))
+    out["chain_ms"] = {kind: round(sorted(t)[1], 4) for kind, t in times.items()}
+    out["chain_all_ms"] = {kind: [round(v, 4) for v in t] for kind, t in times.items()}
+    out["chain_floor_ms"] = round((layers * sum(n * k for n, k in SHAPES.values())
+                                   + VOCAB * HIDDEN) * 2 / 4.28e12 * 1e3, 4)
+    out["picks"] = {name: dataclasses.asdict(cfg) for name, cfg in picks.items()}
+    log("bf16 chain", out["chain_ms"], "floor", out["chain_floor_ms"])
+    return out
 
 
 def lm_head(rows_list) -> dict:
