@@ -562,6 +562,7 @@ def test_gpu_capture_failure_repairs_stream_generator_and_pool(gpu, monkeypatch)
     assert captured.output.tolist() == [3.0] * 4
     from vllm.platforms import current_platform
 
+    assert cuda_graphs.graph_pool() != current_platform.get_global_graph_pool()
     y = torch.zeros(4, device="cuda")
     in_vllm = cuda_graphs.capture(lambda: y + 1, torch.device("cuda"),
                                   pool=current_platform.get_global_graph_pool())
