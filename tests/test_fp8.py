@@ -182,6 +182,12 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
     """The one-row GEMV's arithmetic, run by Triton's interpreter on CPU tensors (the same kernel
     source the GPU compiles; its speed and the GPU's rounding are checked in
     ``tests/test_sensenova_fp8_gpu.py``)."""
+    _run_interpreted(GEMV_INTERPRETED)
+
+
+def _run_interpreted(script: str) -> None:
+    """``script`` in a fresh process with ``TRITON_INTERPRET=1`` (set before Triton is
+    imported, as the interpreter needs); it prints ``ok`` when every assertion held."""
     import os
     import subprocess
     import sys
@@ -192,7 +198,7 @@ def test_fp8_gemv_equals_its_dequantised_weight_and_rows_do_not_mix_under_triton
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", GEMV_INTERPRETED], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, env=env, timeout=300, cwd=root, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
@@ -222,19 +228,7 @@ print("ok")
 def test_one_row_gemv_reads_bf16_weights_with_unit_scales_under_triton_interpreter():
     """The same kernel on bf16 weights (what the probe's ``--bf16-gemv`` measures): the product
     within one bf16 rounding, rows computed as alone."""
-    import os
-    import subprocess
-    import sys
-
-    import pytest
-
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", BF16_WEIGHTS_INTERPRETED], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=root, check=False)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    _run_interpreted(BF16_WEIGHTS_INTERPRETED)
 
 
 def test_fp8_gemv_block_sizes_come_from_the_shape_alone():
