@@ -111,7 +111,7 @@ class Side:
     env: tuple[tuple[str, str], ...] = ()  # more of the plugin's variables
 
 
-STEP_ARGS = ("--step-execution", "--max-num-seqs", "16")
+STEP_ARGS = serve.STEP_ARGS
 SIDES = {
     "release": Side(False, ("--max-num-seqs", "1")),
     "request": Side(True, ("--max-num-seqs", "8", "--request-batch-max-wait-ms", "100")),

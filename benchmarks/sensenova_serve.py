@@ -60,6 +60,8 @@ SIDES = ("release", "plugin", "step")
 SILENT = ("<|im_end|>", "</think>")  # the think loop's and the answer's stops
 SHARD_BYTES = 4 << 30
 MODEL_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
+# The plugin's continuous batching as users start it (this file's step side, the load benchmark's).
+STEP_ARGS = ("--step-execution", "--max-num-seqs", "16")
 
 
 def log(msg):
@@ -96,18 +98,15 @@ def run_side(side: str, args, checkpoint: str) -> dict:
            if not k.startswith("VLLM_OMNI_GRAPHDECODE") and k != "VLLM_PLUGINS"}
     env["PYTHONUNBUFFERED"] = "1"
     serve_args = list(MODEL_ARGS)
-    if side == "plugin":
-        env["VLLM_OMNI_GRAPHDECODE"] = "1"
+    env["VLLM_OMNI_GRAPHDECODE"] = "0" if side == "release" else "1"
+    if side != "release":
         env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
+    if side == "plugin":
         serve_args += ["--max-num-seqs", str(args.n)]
         if args.batch_wait_ms:
             serve_args += ["--request-batch-max-wait-ms", str(args.batch_wait_ms)]
     elif side == "step":
-        env["VLLM_OMNI_GRAPHDECODE"] = "1"
-        env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
-        serve_args += ["--step-execution", "--max-num-seqs", str(max(16, args.n))]
-    else:
-        env["VLLM_OMNI_GRAPHDECODE"] = "0"
+        serve_args += [*STEP_ARGS[:-1], str(max(int(STEP_ARGS[-1]), args.n))]
     cmd = [sys.executable, DRIVER, "--scenario", "sensenova_load", "--model", checkpoint,
            "--out", out, "--concurrent", str(args.n), "--image-size", str(args.size),
            "--sensenova-steps", str(args.steps), "--text-tokens", str(args.text_tokens),
