@@ -14,8 +14,9 @@ This was read in torch's code as the likely cause of device memory that grew by 
 eight batches of eight mixed requests in one H200 run (5 MiB in another). Measured since, it is
 not: over 12 batches of 8 requests at a real model's shape, a thread per member made 96 threads
 and grew device memory by 0 MiB, as the pool did with 8 (the batch benchmark's ``memory`` case,
-h200-2026-12-05b); over 6 batches of 8 mixed requests (half think images) memory grew in the
-first batches only (+318 MiB, then +4, then flat from batch 3) with either (h100-2026-12-05c).
+h200-2026-12-05b); over 6 batches of 8 mixed requests (half think images) it grew in the first
+batches only (+318 MiB, +4, then flat from batch 3) on the pool, and a thread per member, run
+after it in the same process, kept it flat over 6 more (h100-2026-12-05c).
 The pool stays: 8 threads instead of one per member per batch.
 
 Not ``concurrent.futures.ThreadPoolExecutor``: its future is done before its worker counts as
