@@ -60,8 +60,16 @@ SIDES = ("release", "plugin", "step")
 SILENT = ("<|im_end|>", "</think>")  # the think loop's and the answer's stops
 SHARD_BYTES = 4 << 30
 MODEL_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
-# The plugin's continuous batching as users start it (this file's step side, the load benchmark's).
-STEP_ARGS = ("--step-execution", "--max-num-seqs", "16")
+STEP_MAX_NUM_SEQS = 16
+
+
+def step_args(requests: int = 0) -> tuple[str, ...]:
+    """The plugin's continuous batching as users start it, room for at least ``requests`` at once
+    (this file's step side; the load benchmark's step sides take ``STEP_ARGS``)."""
+    return ("--step-execution", "--max-num-seqs", str(max(STEP_MAX_NUM_SEQS, requests)))
+
+
+STEP_ARGS = step_args()
 
 
 def log(msg):
@@ -106,7 +114,7 @@ def run_side(side: str, args, checkpoint: str) -> dict:
         if args.batch_wait_ms:
             serve_args += ["--request-batch-max-wait-ms", str(args.batch_wait_ms)]
     elif side == "step":
-        serve_args += [*STEP_ARGS[:-1], str(max(int(STEP_ARGS[-1]), args.n))]
+        serve_args += step_args(args.n)
     cmd = [sys.executable, DRIVER, "--scenario", "sensenova_load", "--model", checkpoint,
            "--out", out, "--concurrent", str(args.n), "--image-size", str(args.size),
            "--sensenova-steps", str(args.steps), "--text-tokens", str(args.text_tokens),
