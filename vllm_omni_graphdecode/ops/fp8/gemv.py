@@ -165,7 +165,7 @@ class Fp8GemvWeight:
 def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
          silu_mul: bool = False, residual: torch.Tensor | None = None,
-         swiglu_out: bool = False) -> torch.Tensor:
+         swiglu_out: bool = False, halves: bool = False) -> torch.Tensor:
     """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual,
     or (``swiglu_out``) a SwiGLU output.
 
@@ -175,7 +175,11 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     [..., N] or None, added to the product rounded to x's dtype (as ``residual + out`` adds).
     With ``swiglu_out`` the rows of ``w8`` are (gate, up) pairs (``pair_rows``) and the result
     is ``silu(gate) * up`` of the rounded product, [..., N / 2] (no residual; N a multiple of
-    the block). Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write into)."""
+    the block); with ``halves`` too, ``w8`` is the model's own [gate; up] order and each program
+    reads its gate rows from the first half and their up rows from the second (no re-ordered
+    copy). ``w8`` may be the bf16 weight itself and ``scale`` None (no scale: the bf16 row GEMV,
+    ``ops/row_linears.py``). Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write
+    into)."""
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -192,9 +196,13 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if swiglu_out and (res is not None or n % cfg.block_n or cfg.block_n % 2):
         raise ValueError(f"swiglu_out: N {n} in blocks of {cfg.block_n}, residual "
                          f"{res is not None}: want even blocks dividing N and no residual")
+    if halves and not swiglu_out:
+        raise ValueError("halves reads [gate; up] rows for swiglu_out only")
     if out is None:
         out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
     grid = (-(-n // cfg.block_n), m)  # ceil: no per-call import on the eager path
+    if scale is None:
+        scale = out  # not read (HAS_SCALE off): any pointer
     _kernel()[grid](
         x2, w8, scale, bias if bias is not None else scale, res if res is not None else out,
         out, n, k, x2.stride(0), w8.stride(0), (res if res is not None else out).stride(0),
@@ -202,7 +210,7 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWIGLU_OUT=swiglu_out,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SCALE=scale is not out, HALVES=halves, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], width_out)
 
 
@@ -237,13 +245,18 @@ def _define(triton, tl):
                  stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
                  SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SWIGLU_OUT: tl.constexpr = False):
+                 SWIGLU_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = True,
+                 HALVES: tl.constexpr = False):
         # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
         # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
         # are summed once at the end, so a row's order depends on the block sizes only.
         pid_n = tl.program_id(0)
         row = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HALVES:  # (gate, up) pairs read from the [gate; up] halves of the weight
+            pair = tl.arange(0, BLOCK_N)
+            offs_n = pid_n * (BLOCK_N // 2) + pair // 2 + (pair % 2) * (N // 2)
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         n_mask = offs_n < N
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
@@ -272,7 +285,9 @@ def _define(triton, tl):
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out = tl.sum(acc, axis=1) * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
+        out = tl.sum(acc, axis=1)
+        if HAS_SCALE:
+            out = out * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         out = out.to(out_ptr.dtype.element_ty)
