@@ -92,6 +92,19 @@ def _prefilled(pipe, ids):
     return out.logits, cache, t_idx
 
 
+def test_gpu_rowgemv_is_refused_beside_the_batched_step_and_counted(checkpoint):  # noqa: F811
+    """``..._SENSENOVA_STEP=rowgemv`` with the batched step (rows above 1): the one-request step
+    keeps cuBLAS, as the batched step does, so a request rounds alike alone and in a batch; the
+    reason is counted as a degraded path."""
+    stats.reset()
+    pipe = _pipeline(checkpoint, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP="rowgemv"),
+                     rows=4)
+    wiring = getattr(pipe, hook.STATE_ATTR)
+    assert wiring.batch is not None
+    assert getattr(wiring.fusion, "gemv", None) is None, wiring.fusion.describe()
+    assert any("bf16 row GEMV unavailable" in k for k in stats.degraded_paths("sensenova_u1"))
+
+
 def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint):  # noqa: F811
     """Three rows decoding 80 tokens together, one token per launch: each step's logits of a
     row against the pipeline's own eager step fed the same token over its ``DynamicCache``."""

@@ -25,6 +25,7 @@ from vllm_omni_graphdecode.core import stats
 from vllm_omni_graphdecode.graphs import capture as cuda_graphs
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, step as step_mod
+from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring as sensenova_wiring
 from vllm_omni_graphdecode.ops import attention as kernels, layer_ops
 from vllm_omni_graphdecode.testing import sensenova as st, common
 
@@ -285,20 +286,27 @@ def test_gpu_fused_step_with_rope_store_equals_the_two_kernel_step_bit_for_bit(g
         assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
 
 
-@pytest.mark.parametrize("tuned", [False, True], ids=["fused", "tuned"])
+@pytest.mark.parametrize("tuned", [False, True, "rowgemv"], ids=["fused", "tuned", "rowgemv"])
 def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
-    """Fused step (rope once, vllm's fused norms + SiLU; cuBLAS, or with ``tuned`` Inductor
-    GEMVs) vs the model's own step,
+    """Fused step (rope once, vllm's fused norms + SiLU; cuBLAS, with ``tuned`` Inductor
+    GEMVs, or with ``rowgemv`` the plugin's one-row GEMV on the bf16 weights) vs the model's own
+    step,
     both paged on the same kernel without graphs, fed the same tokens for 200 steps across two
     buckets. Rope is bit-identical (test above); the norms and GEMVs differ in the fp32 sum order
     (and the GEMVs add their bias after the product rather than in cuBLAS's epilogue), so the
     logits agree within bf16 rounding carried through the layers: 3% of the largest logit
     (measured on the H200: 1.5% before the GEMVs were compiled, 2.1% with them)."""
     layout = _fused_layout(gpu)
-    fusion = hook.Fusion.select(gpu.lm, layout, "cuda", tuned_gemv=tuned)
+    linears = None
+    if tuned == "rowgemv":
+        linears, why = sensenova_wiring.row_gemv_linears("cuda", 1)
+        assert why is None, why
+    fusion = hook.Fusion.select(gpu.lm, layout, "cuda", tuned_gemv=tuned is True,
+                                linears=linears)
     expected = ["rope once per step"] if layout.rope_per_layer else []
     expected += ["q/k rope + K/V write in one launch", "fused norms + SiLU"]
-    expected += ["Inductor GEMVs"] if tuned else []
+    expected += ["Inductor GEMVs"] if tuned is True else []
+    expected += [linears.describe()] if linears is not None else []
     assert fusion.describe() == expected, fusion.reasons
     pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
     out, cache_fused, t_idx = st.prefill(pipe, gpu.ids)
@@ -321,6 +329,31 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
     fused.release()
     plain.release()
     assert worst < 3e-2
+
+
+def test_gpu_rowgemv_graph_replay_equals_its_eager_step_and_differs_from_cublas(gpu):
+    """``..._SENSENOVA_STEP=rowgemv``: the one-request think loop replayed from graphs equals the
+    same step run eagerly, token for token; its linear layers are the row GEMV (the MLP's two
+    launches included: nothing kept on cuBLAS, no fallback), and it rounds otherwise than the
+    cuBLAS step (its logits differ) within the fused step's bound above."""
+    steps = 340
+    mode = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
+    stats.reset()
+    pipe = _pipe(gpu, cfg=_cfg(**mode))
+    fusion = _state(pipe).fusion
+    from vllm_omni_graphdecode.ops import row_linears
+
+    assert isinstance(fusion.gemv, row_linears.RowLinears), fusion.describe()
+    graphed = _think(pipe, gpu.ids, steps)
+    assert stats.get(MODEL, "replay") >= 300
+    eager = _think(_pipe(gpu, cfg=_cfg(**mode), graphs=False), gpu.ids, steps)
+    cublas = _think(_pipe(gpu, graphs=False), gpu.ids, steps)
+    assert graphed.tokens == eager.tokens and graphed.text == eager.text
+    assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
+    assert not all(torch.equal(a, b) for a, b in zip(eager.logits, cublas.logits)), \
+        "rowgemv gave cuBLAS's bits: the row GEMV did not run"
+    assert stats.fallbacks(MODEL) == {}
+    assert not [k for k in stats.degraded_paths(MODEL) if "cuBLAS" in k or "row GEMV" in k]
 
 
 def test_gpu_inductor_gemv_agrees_with_the_module_and_leaves_lora_wrappers_alone(gpu):

@@ -219,9 +219,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`1`: one launch and one host sync per token, the loop picking or drawing each token "
             "itself. A launch records this many steps in one graph: capture time and graph "
             "memory grow with it."),
-    Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "tuned", "exact"), "sensenova_step",
-            "SenseNova-U1's decode step in the graph: `fused` (fused norms, one-launch rope + K/V "
-            "write, cuBLAS GEMMs), `tuned` (Inductor GEMVs tuned by timing) or `exact`.",
+    Setting(SENSENOVA_STEP_VAR, "fused", _choice("fused", "tuned", "rowgemv", "exact"),
+            "sensenova_step",
+            "SenseNova-U1's decode step: `fused` (fused norms, one-launch rope + K/V write, "
+            "cuBLAS), `tuned` (Inductor GEMVs), `rowgemv` (the plugin's bf16 GEMV) or `exact`.",
             "- `fused` (default): each layer's norms and first residual add through vllm's fused "
             "kernels, on vllm-omni 0.24-0.28 the rope tables once per step, the q/k norm + rope "
             "and the paged K/V write as one launch (`hooks/sensenova_u1/rope_store.py`, the same "
@@ -233,6 +234,11 @@ SETTINGS: tuple[Setting, ...] = (
             "compiled at load with pre-capture. Faster, but the GEMVs pick their block sizes by "
             "timing, so another process may round a request differently and two servers can "
             "answer it differently.\n"
+            "- `rowgemv`: `fused` with the linear layers through the plugin's one-row GEMV on "
+            "the bf16 weights themselves (`ops/row_linears.py`: block sizes from the shape, so "
+            "every process rounds alike; the MLP in two launches, the SiLU-and-multiply in the "
+            "gate-up one and the residual add in the down one). With `--max-num-seqs 1` only; "
+            "not yet timed on a GPU, so not the default.\n"
             "- `exact`: the model's own modules, as its eager step computes.\n\n"
             "With `--max-num-seqs` above 1 the batched step runs the `fused` parts with cuBLAS "
             "whatever this says: its kernels must reduce each row alike at any batch and in any "

@@ -37,7 +37,7 @@ import inspect
 import torch
 
 from ...core.reasons import Reason
-from ...ops import gemv, layer_ops
+from ...ops import gemv, layer_ops, row_linears
 from ...ops.fp8 import marlin, quant
 from ...ops.fp8.linears import HEAD_KEPT, LAYER_KEPT, Fp8Linears
 from . import gemv_table, layouts, ops, rope_store
@@ -106,7 +106,8 @@ class Fusion:
     def select(cls, language_model, layout: layouts.Layout, device, dtype=torch.bfloat16, *,
                tuned_gemv: bool = False, linears=None):
         """The production parts this device and layout support. ``linears``: the linear layers
-        through these (``linears.Fp8Linears``, from ``fp8_linears``); else with ``tuned_gemv``
+        through these (``linears.Fp8Linears``, from ``fp8_linears``, or the bf16 row GEMV's
+        ``row_linears.RowLinears``); else with ``tuned_gemv``
         through Inductor's GEMVs tuned by timing (``gemv.py``: faster, but another process may
         round differently); otherwise the modules' own GEMMs."""
         if not layout.fused_step:
@@ -151,7 +152,7 @@ class Fusion:
             parts.append("q/k rope + K/V write in one launch")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
-        if isinstance(self.gemv, Fp8Linears):
+        if isinstance(self.gemv, (Fp8Linears, row_linears.RowLinears)):
             parts.append(self.gemv.describe())
         elif self.gemv is not None:
             parts.append("Inductor GEMVs")

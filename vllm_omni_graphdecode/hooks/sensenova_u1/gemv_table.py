@@ -17,3 +17,8 @@ MEASURED = {
     (24576, 4096): KernelConfig(block_n=32, block_k=512, num_warps=8),   # gate_up 27.62 / 28.03 / 23.52
     (4096, 12288): KernelConfig(block_n=8, block_k=1024, num_warps=4),   # down 14.87 / 20.73 / 11.76
 }
+
+# The bf16 row GEMV's block sizes (``ops/row_linears.py``, ``..._SENSENOVA_STEP=rowgemv``), per
+# weight shape. Empty until a sweep on the H200 fills it (``benchmarks/probes/fp8_gemv.py
+# --bf16-gemv`` reports the best per shape): every shape takes the shape rule (``config_for``).
+ROW_BF16: dict = {}

@@ -36,7 +36,7 @@ from ...decode.session import ARSessions, PagedDecoder
 from ...decode.token_loop import Sampling
 from ...ops import attention as kernels
 from . import batch as batch_mod
-from . import layouts, rules
+from . import gemv_table, layouts, rules
 from .step import MODEL, Step, patch_attention, select_kv_writer
 
 STATE_ATTR = "_graphdecode_sensenova_u1"
@@ -360,10 +360,10 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
     layer cannot) counted as a degraded path; ``lm_head``: the head too (one row only)."""
     off: list[str] = []
     fusion = None
-    if use_fp8 and not (layout.fused_step and step in ("fused", "tuned")):
+    if use_fp8 and not (layout.fused_step and step in FUSED_STEPS):
         stats.degraded(MODEL, FP8_NEEDS_FUSED.because(
             f"{layout.name} layout, VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP={step}"))
-    if layout.fused_step and step in ("fused", "tuned"):
+    if layout.fused_step and step in FUSED_STEPS:
         from .fused_step import Fusion, fp8_linears
 
         linears = None
@@ -372,6 +372,10 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
                                        lm_head=lm_head)
             for reason in why:
                 stats.degraded(MODEL, reason)
+        elif step == "rowgemv":
+            linears, why = row_gemv_linears(device, rows)
+            if why is not None:
+                stats.degraded(MODEL, why)
         fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned",
                                linears=linears)
         off += fusion.reasons
@@ -381,6 +385,26 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
         off.append(f"two-kernel K/V write: {writer.describe()}")
         writer = None
     return fusion, writer, off
+
+
+# The step modes that run the fused step (``config``'s ``sensenova_step``); ``exact`` runs the
+# model's own modules.
+FUSED_STEPS = ("fused", "tuned", "rowgemv")
+
+
+def row_gemv_linears(device, rows: int):
+    """``(row_linears.RowLinears or None, why not)`` for ``..._SENSENOVA_STEP=rowgemv``: only
+    where one request decodes at a time (``rows`` 1; a batched step keeps cuBLAS, and a request
+    must round alike alone and in a batch) on a device that runs the kernel."""
+    from ...ops import row_linears
+
+    if rows != 1:
+        return None, row_linears.NO_ROW_GEMV.because(
+            f"the batched step serves {rows} rows here (--max-num-seqs above 1)")
+    why = row_linears.available(device)
+    if why is not None:
+        return None, why
+    return row_linears.RowLinears(MODEL, table=gemv_table.ROW_BF16), None
 
 
 def _fp8_of(fusion):

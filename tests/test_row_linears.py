@@ -1,0 +1,128 @@
+"""The bf16 row GEMV step mode (``ops/row_linears.py``, ``..._SENSENOVA_STEP=rowgemv``, issue
+#42) on CPU: the kernel's arithmetic under Triton's interpreter, on the real vllm linear layers
+of a tiny SenseNova-U1, and where the mode is refused. Its speed, its rounding on the GPU and the
+fused step it serves are ``tests/test_sensenova_gpu.py``'s."""
+
+import torch
+
+from test_fp8 import _run_interpreted
+from vllm_omni_graphdecode import config
+from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring
+from vllm_omni_graphdecode.ops import row_linears
+
+KERNEL_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+
+g = torch.Generator().manual_seed(7)
+k_in, inter, n_out = 96, 64, 48
+gu_w = (torch.randn(2 * inter, k_in, generator=g) * 0.05).bfloat16()
+gu_b = torch.randn(2 * inter, generator=g).bfloat16()
+cfg = fp8_gemv.KernelConfig(16, 32, 4)
+x = torch.randn(3, k_in, generator=g).bfloat16()
+ones = torch.ones(2 * inter, dtype=torch.float32)
+# No scale is the unit scale, bit for bit.
+plain = fp8_gemv.gemv(x, gu_w, None, gu_b, cfg)
+assert torch.equal(plain, fp8_gemv.gemv(x, gu_w, ones, gu_b, cfg))
+# ``halves`` reads each gate row's up row from the weight's second half: the same bits as the
+# re-ordered (paired) weight, without the copy.
+pairs = fp8_gemv.pair_rows(2 * inter)
+act = fp8_gemv.gemv(x, gu_w, None, gu_b, cfg, swiglu_out=True, halves=True)
+assert act.shape == (3, inter)
+assert torch.equal(act, fp8_gemv.gemv(x, gu_w[pairs], ones, gu_b[pairs], cfg, swiglu_out=True))
+gate, up = plain.float().chunk(2, dim=-1)
+assert torch.allclose(act.float(), gate * torch.sigmoid(gate) * up, rtol=2.0 ** -6, atol=1e-3)
+# Rows do not mix.
+assert torch.equal(fp8_gemv.gemv(x[1:2], gu_w, None, gu_b, cfg, swiglu_out=True, halves=True)[0],
+                   act[1])
+try:
+    fp8_gemv.gemv(x, gu_w, None, None, cfg, halves=True)
+except ValueError as exc:
+    assert "swiglu_out" in str(exc)
+else:
+    raise AssertionError("halves without swiglu_out was accepted")
+print("ok")
+"""
+
+
+def test_row_gemv_kernel_halves_and_unit_scale_under_triton_interpreter():
+    """``halves`` gives the paired copy's bits from the model's own [gate; up] weight, and no
+    scale gives the unit scale's bits."""
+    _run_interpreted(KERNEL_INTERPRETED)
+
+
+LAYERS_INTERPRETED = """
+import torch
+import torch.nn.functional as F
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.ops import row_linears
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+from vllm_omni_graphdecode.testing import sensenova as st, common
+
+lm = st.build_lm(dtype=torch.bfloat16)
+layer = lm.model.layers[0]
+attn, mlp = layer.self_attn, layer.mlp
+linears = row_linears.RowLinears("sensenova_u1", table={
+    tuple(mlp.gate_up_proj.weight.shape): fp8_gemv.KernelConfig(8, 32, 4)})
+g = torch.Generator().manual_seed(1)
+
+def bound(want):
+    # fp32 sums in another order and one bf16 rounding each: within two bf16 steps of the
+    # largest output (the interpreter truncates where the GPU rounds to nearest).
+    return 2 * 2.0 ** -7 * float(want.float().abs().max()) + 1e-3
+
+with torch.inference_mode():
+    for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        x = torch.randn(1, 1, module.weight.shape[1], generator=g).bfloat16()
+        want = module(x)[0]
+        got = linears(module, x)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16, type(module).__name__
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= bound(want), (type(module).__name__, err)
+    # The MLP in two launches against the module's own three steps.
+    x = torch.randn(1, 1, mlp.gate_up_proj.weight.shape[1], generator=g).bfloat16()
+    residual = torch.randn(1, 1, mlp.down_proj.weight.shape[0], generator=g).bfloat16()
+    gate_up = mlp.gate_up_proj(x)[0]
+    half = gate_up.shape[-1] // 2
+    act = (F.silu(gate_up[..., :half].float()) * gate_up[..., half:].float()).bfloat16()
+    want = residual + mlp.down_proj(act)[0]
+    got = linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, x, residual)
+    assert got is not None and got.shape == want.shape
+    assert float((got.float() - want.float()).abs().max()) <= 2 * bound(want)
+    tail = linears.mlp_tail(mlp.down_proj, gate_up, residual)
+    assert float((tail.float() - want.float()).abs().max()) <= 2 * bound(want)
+
+    # A LoRA wrapper with an active adapter is called as itself, counted; inactive, its base
+    # layer's GEMV runs.
+    stats.reset()
+    wrappers = st.add_lora_wrappers(lm)
+    o = lm.model.layers[0].self_attn.o_proj
+    x = torch.randn(1, 1, o.base_layer.weight.shape[1], generator=g).bfloat16()
+    assert torch.equal(linears(o, x), linears(o.base_layer, x))
+    assert not stats.snapshot()["degraded"]
+    common.bind_adapter(wrappers)
+    assert torch.equal(linears(o, x), o(x)[0])
+    degraded = stats.snapshot()["degraded"]
+    assert any("layer kept on cuBLAS" in key for key in degraded), degraded
+print("ok")
+"""
+
+
+def test_row_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
+    """``RowLinears`` on a tiny SenseNova-U1's own vllm layers (qkv, o, gate-up, down) under the
+    interpreter: each within two bf16 steps of the module's output, the MLP's two launches
+    against its three steps, and a LoRA wrapper called as itself while its adapter is active
+    (counted as a degraded path)."""
+    _run_interpreted(LAYERS_INTERPRETED)
+
+
+def test_rowgemv_is_a_step_mode_and_refused_where_it_cannot_serve():
+    assert config.parse({"VLLM_OMNI_GRAPHDECODE": "1",
+                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}).sensenova_step \
+        == "rowgemv"
+    linears, why = wiring.row_gemv_linears("cpu", 1)
+    assert linears is None and row_linears.NO_ROW_GEMV.same(why)
+    assert "device is cpu" in why.describe()
+    linears, why = wiring.row_gemv_linears("cuda", 8)
+    assert linears is None and "8 rows" in why.describe()
+    assert "rowgemv" in wiring.FUSED_STEPS and "exact" not in wiring.FUSED_STEPS

@@ -1,0 +1,118 @@
+"""A one-row decode step's linear layers through the plugin's one-row GEMV on the bf16 weights
+themselves (issue #42): ``RowLinears``, what a hook's fused step calls in place of the modules'
+cuBLAS GEMMs (``gemv.Gemv``'s interface, as ``fp8.linears.Fp8Linears``).
+
+Why: at one row cuBLAS reads the small layers' weights well short of the copy bandwidth
+(``gemv.py``'s table: qkv 71%, o_proj 61%, down 80%), and Inductor's GEMVs that beat it pick
+their block sizes by timing, so another process may round a request differently (``tuned``);
+its deterministic mode was slower than cuBLAS. The plugin's FP8 GEMV (``fp8/gemv.py``,
+HAND-WRITTEN) takes its block sizes from the shape alone and reads any weight dtype: here it
+reads the bf16 weight in place (no copy, no scale), and its launches carry the MLP's
+SiLU-and-multiply (the gate-up launch reads each gate row's up row from the weight's second
+half) and the residual add (the down launch). Two launches for the MLP where the cuBLAS step
+runs four. Whether it is faster than cuBLAS is measured on the GPU
+(``benchmarks/probes/fp8_gemv.py --bf16-gemv``, ``bench.py --step-modes rowgemv``); it is the
+opt-in step mode ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv`` until then.
+
+Rounding: one fp32 sum per output in a fixed order, the bias added in fp32, one bf16 rounding;
+the SwiGLU and the residual add round where vLLM's ``silu_and_mul`` and the model's ``+`` do. It
+differs from cuBLAS in the sum order only, and is the same in every process.
+
+A one-row kernel: a step of several rows would read every weight once per row, so the batched
+step keeps cuBLAS (the hook counts the reason), and one process never serves a request through
+both (its answer must not depend on whether it ran alone).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import stats
+from ..core.reasons import Reason
+from . import gemv
+from .fp8 import gemv as row_gemv
+
+ROW_LAYER_KEPT = Reason("layer kept on cuBLAS",
+                        "nothing to change for LoRA: an adapter's layer runs its own kernel. The "
+                        "one-row GEMV reads unquantised, unsharded vllm linear layers without "
+                        "active LoRA adapters or hooks (the detail names the layer)")
+NO_ROW_GEMV = Reason("bf16 row GEMV unavailable",
+                     "a CUDA GPU with Triton and VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv "
+                     "with --max-num-seqs 1 (the batched step keeps cuBLAS); meanwhile the "
+                     "step's linear layers run the modules' cuBLAS GEMMs")
+
+
+def available(device) -> Reason | None:
+    """Why the bf16 row GEMV cannot run on ``device``, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NO_ROW_GEMV.because(f"device is {device}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return NO_ROW_GEMV.because(f"triton not importable ({exc})")
+    return None
+
+
+class RowLinears:
+    """``linears(module, x)``: ``module``'s output for ``x`` (one row) through the one-row GEMV
+    on the module's own bf16 weight, or through the module where it is not a plain vllm linear
+    layer (counted under ``ROW_LAYER_KEPT``; inside a graph decided once, at capture).
+    ``table``: the hook's block sizes per weight shape (``fp8.gemv.config_for``; None: the
+    shape rule). ``model``: the stats key."""
+
+    def __init__(self, model: str, table: dict | None = None):
+        self.model = model
+        self.table = table
+
+    def _config(self, weight: torch.Tensor) -> row_gemv.KernelConfig:
+        n, k = weight.shape
+        return row_gemv.config_for(n, k, self.table)
+
+    def _base(self, module):
+        base = gemv.base_of_inactive_lora(module)
+        if gemv.Gemv.plain(base) and base.weight.dtype in (torch.bfloat16, torch.float16):
+            return base
+        stats.degraded(self.model, ROW_LAYER_KEPT.because(
+            f"{type(module).__name__} (LoRA adapter active, quantised, hooked or not bf16)"))
+        return None
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        base = self._base(module)
+        if base is None:
+            return module(x)[0]
+        return row_gemv.gemv(x, base.weight, None, base.bias, self._config(base.weight))
+
+    def swiglu_mlp(self, gate_up_module, down_module, x, residual):
+        """``residual + down(silu(gate) * up)`` of ``x`` in two launches: the gate-up one reads
+        its (gate, up) row pairs from the weight's halves and ends in silu(gate) * up, the down
+        one adds the residual. None where either layer is not plain, or the gate-up blocks do
+        not pair (the caller runs the layers one by one)."""
+        up, down = self._base(gate_up_module), self._base(down_module)
+        if up is None or down is None:
+            return None
+        cfg = self._config(up.weight)
+        n = up.weight.shape[0]
+        if n % 2 or (n // 2) % (cfg.block_n // 2) or cfg.block_n % 2:
+            return None
+        act = row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True)
+        return row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
+                             residual=residual)
+
+    def mlp_tail(self, module, gate_up, residual):
+        """``residual + down(silu(gate) * up)`` as one launch, or None where ``module`` is not
+        plain (the caller runs the three steps)."""
+        base = self._base(module)
+        if base is None:
+            return None
+        return row_gemv.gemv(gate_up, base.weight, None, base.bias, self._config(base.weight),
+                             silu_mul=True, residual=residual)
+
+    def release(self) -> None:
+        """Nothing to drop: the GEMV reads the modules' own weights."""
+
+    nbytes = 0
+    has_head = False
+
+    def describe(self) -> str:
+        return "bf16 row GEMVs, SiLU-and-multiply in the gate-up launch"
