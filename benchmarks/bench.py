@@ -250,6 +250,10 @@ def bench_sensenova(args, rows, env):
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
             by_name[name] = rows[-1]
+            if args.step_modes and name in _step_mode_pairs(args, ctx, by_name):
+                with torch.inference_mode():
+                    texts[name] = pipe._generate_text(prefix_logits, make_cache(), t_idx,
+                                                      max_tokens=args.agree_tokens)
             if args.fp8 and name in _fp8_pair(args, ctx) + _fp8_head_names(args, ctx):
                 with torch.inference_mode():
                     texts[name] = pipe._generate_text(prefix_logits, make_cache(), t_idx,
@@ -265,6 +269,7 @@ def bench_sensenova(args, rows, env):
                 head_floor = sensenova_fp8_read_bytes(lm, ctx + args.steps // 2,
                                                       lm_head=True) / bw * 1e3
                 _fp8_fields(args, ctx, by_name, texts, intree_ms, head_floor, head_name)
+        _step_mode_fields(args, ctx, by_name, texts, intree_ms)
         _write(args, rows, env)  # a run cut short keeps every context it finished
         rows.append(common.case(f"sensenova_decode_ctx{ctx}_flashinfer", eager, None, floor,
                                 note=rm.flashinfer_status()))
@@ -364,6 +369,46 @@ def _agree(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(*words)) if x != y), min(map(len, words)))
 
 
+def _step_mode_pairs(args, ctx, by_name=None) -> list[str]:
+    """The default rows and the ``--step-modes`` rows at ``ctx``, every repeat: whose greedy
+    text is kept for the agreement fields."""
+    fa = args.fa[0]
+    names = []
+    for r in range(1, max(1, args.repeats) + 1):
+        suffix = "" if r == 1 else f"_r{r}"
+        names.append(f"sensenova_decode_ctx{ctx}_fa{fa}{suffix}")
+        names += [f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}{suffix}" for mode in args.step_modes]
+    return names
+
+
+def _step_mode_fields(args, ctx, by_name, texts, intree_ms) -> None:
+    """Each ``--step-modes`` row against the default row of the same repeat: ``fused_ms``,
+    ``speedup_vs_fused``, ``agree_tokens_vs_fused`` (greedy tokens from the same prefix, over
+    ``--agree-tokens``; random weights), and against the in-tree decode timed in this run."""
+    fa = args.fa[0]
+    for r in range(1, max(1, args.repeats) + 1):
+        suffix = "" if r == 1 else f"_r{r}"
+        base_name = f"sensenova_decode_ctx{ctx}_fa{fa}{suffix}"
+        base = by_name.get(base_name)
+        for mode in args.step_modes:
+            name = f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}{suffix}"
+            row = by_name.get(name)
+            if row is None or base is None or not row.get("ours_ms"):
+                continue
+            row["fused_ms"] = base.get("ours_ms")
+            if base.get("ours_ms"):
+                row["speedup_vs_fused"] = common.significant(base["ours_ms"] / row["ours_ms"])
+            if intree_ms:
+                row["intree_ms"] = intree_ms
+                row["speedup_vs_intree"] = common.significant(intree_ms / row["ours_ms"])
+            if name in texts and base_name in texts:
+                row["agree_tokens_vs_fused"] = _agree(texts[name], texts[base_name])
+                row["agree_of"] = min(len(texts[name].split()), len(texts[base_name].split()))
+            log(f"ctx {ctx}: {mode}{suffix} {row['ours_ms']} ms/token against fused "
+                f"{row['fused_ms']}; agree {row.get('agree_tokens_vs_fused')} of "
+                f"{row.get('agree_of')}")
+
+
 def _fp8_pair(args, ctx) -> tuple[str, str]:
     """The bf16 row (the first FA version at the defaults) and its FP8 counterpart."""
     return f"sensenova_decode_ctx{ctx}_fa{args.fa[0]}", f"sensenova_decode_ctx{ctx}_fp8"
@@ -423,6 +468,16 @@ def _plugin_variants(args, ctx):
         variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_k{k}", fa,
                       {"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
                      for k in args.tokens_per_launch]
+        # Each --step-modes mode beside the default row, alternated --repeats times (rows of
+        # one run vary by a few % on the H200: the pairs are compared run by run).
+        for r in range(1, max(1, args.repeats)):
+            variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_r{r + 1}", fa, {}))
+            variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}_r{r + 1}", fa,
+                          {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
+                         for mode in args.step_modes]
+        variants[1:1] = [(f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}", fa,
+                          {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
+                         for mode in args.step_modes]
         if args.exact:
             variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_exact", fa,
                              {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
@@ -852,6 +907,11 @@ def main():
                     help="batch_attention case: page sizes to time")
     ap.add_argument("--tokens-per-launch", default="1,4,8,16",
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
+    ap.add_argument("--step-modes", type=lambda v: [m for m in v.split(",") if m], default=[],
+                    help="..._SENSENOVA_STEP modes timed beside the default row (e.g. rowgemv), "
+                         "with their token agreement against it")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="times the default row and each --step-modes row run, alternated")
     ap.add_argument("--no-exact", dest="exact", action="store_false",
                     help="skip the exact-step row of sensenova_decode")
     ap.add_argument("--fp8", action="store_true",
@@ -885,6 +945,12 @@ def main():
     args.fa = [f for f in args.fa.split(",") if f]
     args.tokens_per_launch = [int(k) for k in args.tokens_per_launch.split(",") if k]
     args.qwen_modes = [m for m in args.qwen_modes.split(",") if m]
+    for mode in args.step_modes:  # an unknown mode: the setting's own message
+        try:
+            config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+                          "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
+        except ValueError as exc:
+            ap.error(f"--step-modes: {exc}")
     cases = [c for c in args.cases.split(",") if c]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
