@@ -728,7 +728,9 @@ def bench_profile(args, rows, env):
     head = getattr(args, "fp8_lm_head", False)
     fp8_name = f"sensenova_graph_fp8{'_lmhead' if head else ''}_ctx{ctx}"
     graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
-              (fp8_name, k, "graph_fp8")]
+              (fp8_name, k, "graph_fp8"), (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv")]
+    fusions = {"graph_fp8": lambda: _fp8_fusion(lm, device, head),
+               "graph_rowgemv": lambda: _rowgemv_fusion(lm, device)}
     for name, per_launch, part in graphs:
         if part not in parts:
             continue
@@ -739,7 +741,7 @@ def bench_profile(args, rows, env):
             lm, kernel, prefix_logits, make_cache, ctx, steps=args.profile_steps,
             buckets=buckets, copy_bytes_per_s=bw, device_type=device.type,
             tokens_per_launch=per_launch,
-            fusion=_fp8_fusion(lm, device, head) if part == "graph_fp8" else "auto"))
+            fusion=fusions[part]() if part in fusions else "auto"))
 
     def eager():
         if is_030:
@@ -772,7 +774,18 @@ def bench_profile(args, rows, env):
                                  floor if name.startswith("sensenova") else None))
 
 
-PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; "graph_fp8" on request
+PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; "graph_fp8", "graph_rowgemv" on request
+
+
+def _rowgemv_fusion(lm, device):
+    """The fused step with the bf16 row GEMV (``..._SENSENOVA_STEP=rowgemv`` at one row, the head
+    included), or the error why not."""
+    from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
+
+    linears, why = sensenova_wiring.row_gemv_linears(device, 1, lm)
+    if linears is None or why:
+        raise RuntimeError(f"no row GEMV: {[w.describe() for w in why]}")
+    return fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
 
 
 def _fp8_fusion(lm, device, lm_head=False):
@@ -939,7 +952,8 @@ def main():
     ap.add_argument("--profile-parts", type=lambda v: [p for p in v.split(",") if p],
                     default=list(PROFILE_PARTS),
                     help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
-                         "FP8 copies), eager, qwen (default: all but graph_fp8)")
+                         "FP8 copies), graph_rowgemv (the bf16 row GEMV step), eager, qwen "
+                         "(default: all but graph_fp8 and graph_rowgemv)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]

@@ -92,6 +92,17 @@ with torch.inference_mode():
     tail = linears.mlp_tail(mlp.down_proj, gate_up, residual)
     assert float((tail.float() - want.float()).abs().max()) <= 2 * bound(want)
 
+    # The head: the logits processor's projection, through the GEMV on the head's own weight.
+    assert linears.take_head(lm) is None and linears.has_head
+    hidden = torch.randn(1, 1, lm.config.hidden_size, generator=g).bfloat16()
+    want = lm.logits_processor(lm.lm_head, hidden)
+    got = linears.logits(hidden, lm.lm_head)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert float((got.float() - want.float()).abs().max()) <= bound(want)
+    stats.reset()
+    assert linears.logits(hidden, torch.nn.Linear(2, 2)) is None  # the head was replaced
+    assert any("lm_head kept on cuBLAS" in key for key in stats.snapshot()["degraded"])
+
     # A LoRA wrapper with an active adapter is called as itself, counted; inactive, its base
     # layer's GEMV runs.
     stats.reset()
@@ -111,7 +122,7 @@ print("ok")
 def test_row_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
     """``RowLinears`` on a tiny SenseNova-U1's own vllm layers (qkv, o, gate-up, down) under the
     interpreter: each within two bf16 steps of the module's output, the MLP's two launches
-    against its three steps, and a LoRA wrapper called as itself while its adapter is active
+    against its three steps, the head against the logits processor, and a LoRA wrapper called as itself while its adapter is active
     (counted as a degraded path)."""
     _run_interpreted(LAYERS_INTERPRETED)
 
@@ -120,9 +131,9 @@ def test_rowgemv_is_a_step_mode_and_refused_where_it_cannot_serve():
     assert config.parse({"VLLM_OMNI_GRAPHDECODE": "1",
                          "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}).sensenova_step \
         == "rowgemv"
-    linears, why = wiring.row_gemv_linears("cpu", 1)
+    linears, (why,) = wiring.row_gemv_linears("cpu", 1)
     assert linears is None and row_linears.NO_ROW_GEMV.same(why)
     assert "device is cpu" in why.describe()
-    linears, why = wiring.row_gemv_linears("cuda", 8)
+    linears, (why,) = wiring.row_gemv_linears("cuda", 8)
     assert linears is None and "8 rows" in why.describe()
     assert "rowgemv" in wiring.FUSED_STEPS and "exact" not in wiring.FUSED_STEPS

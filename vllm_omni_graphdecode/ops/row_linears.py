@@ -25,6 +25,8 @@ both (its answer must not depend on whether it ran alone).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..core import stats
@@ -36,6 +38,11 @@ ROW_LAYER_KEPT = Reason("layer kept on cuBLAS",
                         "nothing to change for LoRA: an adapter's layer runs its own kernel. The "
                         "one-row GEMV reads unquantised, unsharded vllm linear layers without "
                         "active LoRA adapters or hooks (the detail names the layer)")
+ROW_HEAD_KEPT = Reason("lm_head kept on cuBLAS",
+                       "the row GEMV reads an unquantised, unsharded bf16 lm_head whose logits "
+                       "processor only projects (no scale, soft cap or other head dtype) and a "
+                       "language model whose forward takes compute_logits; the detail says "
+                       "which is missing. Meanwhile the model's own head computes the logits")
 NO_ROW_GEMV = Reason("bf16 row GEMV unavailable",
                      "a CUDA GPU with Triton and VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv "
                      "with --max-num-seqs 1 (the batched step keeps cuBLAS); meanwhile the "
@@ -64,6 +71,7 @@ class RowLinears:
     def __init__(self, model: str, table: dict | None = None):
         self.model = model
         self.table = table
+        self._head = None  # (weakref to the lm_head, the rows it keeps) once ``take_head``
 
     def _config(self, weight: torch.Tensor) -> row_gemv.KernelConfig:
         n, k = weight.shape
@@ -108,11 +116,45 @@ class RowLinears:
         return row_gemv.gemv(gate_up, base.weight, None, base.bias, self._config(base.weight),
                              silu_mul=True, residual=residual)
 
+    def take_head(self, language_model) -> Reason | None:
+        """Read ``language_model.lm_head`` through the GEMV too (``logits``), or why not
+        (``ROW_HEAD_KEPT``): a plain unsharded bf16 head whose logits processor only projects
+        (``fp8.linears.head_not_copyable``'s checks)."""
+        from .fp8.linears import head_not_copyable
+
+        head = getattr(language_model, "lm_head", None)
+        processor = getattr(language_model, "logits_processor", None)
+        why = head_not_copyable(head, processor, True)
+        if why is not None:
+            return ROW_HEAD_KEPT.because(why)
+        self._head = (weakref.ref(head), int(getattr(processor, "org_vocab_size",
+                                                     head.weight.shape[0])))
+        return None
+
+    @property
+    def has_head(self) -> bool:
+        return self._head is not None
+
+    def logits(self, hidden_states: torch.Tensor, module=None) -> torch.Tensor | None:
+        """The logits of ``hidden_states`` (``[..., hidden]``) through the GEMV on the head's
+        own weight, or None (the caller runs the model's head): no head taken, or the model's
+        ``lm_head`` (``module``) is no longer that head (replaced, or a LoRA adapter active;
+        counted under ``ROW_HEAD_KEPT``)."""
+        if self._head is None:
+            return None
+        head = self._head[0]()
+        if head is None or (module is not None and gemv.base_of_inactive_lora(module) is not head):
+            stats.degraded(self.model, ROW_HEAD_KEPT.because(
+                f"lm_head is now {type(module).__name__} (replaced, or a LoRA adapter active)"))
+            return None
+        weight = head.weight[:self._head[1]]
+        return row_gemv.gemv(hidden_states, weight, None, None, self._config(weight))
+
     def release(self) -> None:
         """Nothing to drop: the GEMV reads the modules' own weights."""
 
     nbytes = 0
-    has_head = False
 
     def describe(self) -> str:
-        return "bf16 row GEMVs, SiLU-and-multiply in the gate-up launch"
+        head = " and lm_head" if self._head is not None else ""
+        return f"bf16 row GEMVs{head}, SiLU-and-multiply in the gate-up launch"

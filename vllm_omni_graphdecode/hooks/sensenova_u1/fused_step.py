@@ -92,11 +92,13 @@ class Fusion:
         return None
 
     @property
-    def fp8_head(self):
-        """The FP8 copies when they hold an ``lm_head`` copy (``linears.Fp8Linears.logits``), else
-        None: the model's own head computes the step's logits."""
+    def linear_head(self):
+        """The step's linears when they compute the logits too (an FP8 ``lm_head`` copy,
+        ``linears.Fp8Linears.logits``, or the bf16 row GEMV on the head,
+        ``row_linears.RowLinears.logits``), else None: the model's own head computes them."""
         linears = self.gemv
-        return linears if isinstance(linears, Fp8Linears) and linears.has_head else None
+        return (linears if isinstance(linears, (Fp8Linears, row_linears.RowLinears))
+                and linears.has_head else None)
 
     def projection(self, module):
         """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""

@@ -77,13 +77,14 @@ class Step:
         self.indexes[0].add_(1)
 
     def forward(self, cache) -> torch.Tensor:
-        head = self.fusion.fp8_head if self.fusion is not None else None
+        head = self.fusion.linear_head if self.fusion is not None else None
         if head is None:
             return self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
                            use_cache=False, **{PAGED_KWARG: StepArgs(cache, self.fusion)}).logits
-        # The FP8 lm_head (VLLM_OMNI_GRAPHDECODE_FP8=...,sensenova_lm_head): the model stops at
-        # the final norm's hidden state and the copy projects it (what the logits processor
-        # would do with the bf16 head, fused_step.fp8_linears checked it does nothing more).
+        # The FP8 lm_head (VLLM_OMNI_GRAPHDECODE_FP8=...,sensenova_lm_head) or the bf16 row
+        # GEMV's (..._SENSENOVA_STEP=rowgemv): the model stops at the final norm's hidden state
+        # and the linears project it (what the logits processor would do with the bf16 head;
+        # head_not_copyable checked it does nothing more).
         hidden = self.lm(input_ids=self.input_ids, indexes=self.indexes, past_key_values=None,
                          use_cache=False, compute_logits=False,
                          **{PAGED_KWARG: StepArgs(cache, self.fusion)}).hidden_states

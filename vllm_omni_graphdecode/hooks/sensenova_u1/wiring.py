@@ -373,9 +373,9 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
             for reason in why:
                 stats.degraded(MODEL, reason)
         elif step == "rowgemv":
-            linears, why = row_gemv_linears(device, rows)
-            if why is not None:
-                stats.degraded(MODEL, why)
+            linears, why = row_gemv_linears(device, rows, lm)
+            for reason in why:
+                stats.degraded(MODEL, reason)
         fusion = Fusion.select(lm, layout, device, dtype, tuned_gemv=step == "tuned",
                                linears=linears)
         off += fusion.reasons
@@ -392,19 +392,30 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
 FUSED_STEPS = ("fused", "tuned", "rowgemv")
 
 
-def row_gemv_linears(device, rows: int):
-    """``(row_linears.RowLinears or None, why not)`` for ``..._SENSENOVA_STEP=rowgemv``: only
-    where one request decodes at a time (``rows`` 1; a batched step keeps cuBLAS, and a request
-    must round alike alone and in a batch) on a device that runs the kernel."""
+def row_gemv_linears(device, rows: int, language_model=None):
+    """``(row_linears.RowLinears or None, [why not / what stays on cuBLAS])`` for
+    ``..._SENSENOVA_STEP=rowgemv``: only where one request decodes at a time (``rows`` 1; a
+    batched step keeps cuBLAS, and a request must round alike alone and in a batch) on a device
+    that runs the kernel; ``language_model``'s ``lm_head`` too where its logits are a plain
+    projection and its forward takes ``compute_logits``."""
     from ...ops import row_linears
 
     if rows != 1:
-        return None, row_linears.NO_ROW_GEMV.because(
-            f"the batched step serves {rows} rows here (--max-num-seqs above 1)")
+        return None, [row_linears.NO_ROW_GEMV.because(
+            f"the batched step serves {rows} rows here (--max-num-seqs above 1)")]
     why = row_linears.available(device)
     if why is not None:
-        return None, why
-    return row_linears.RowLinears(MODEL, table=gemv_table.ROW_BF16), None
+        return None, [why]
+    linears = row_linears.RowLinears(MODEL, table=gemv_table.ROW_BF16)
+    if language_model is None:
+        return linears, []
+    from .fused_step import _takes
+
+    if not _takes(language_model, "compute_logits"):
+        return linears, [row_linears.ROW_HEAD_KEPT.because(
+            f"{type(language_model).__name__}.forward takes no compute_logits")]
+    kept = linears.take_head(language_model)
+    return linears, [kept] if kept is not None else []
 
 
 def _fp8_of(fusion):

@@ -69,7 +69,7 @@ class Fp8Linears:
         layer that picks the token; ``docs/performance.md`` measures how often)."""
         head = getattr(language_model, "lm_head", None)
         processor = getattr(language_model, "logits_processor", None)
-        why = _head_not_copyable(head, processor, self.gemv)
+        why = head_not_copyable(head, processor, self.gemv)
         if why is not None:
             return HEAD_KEPT.because(why)
         rows = int(getattr(processor, "org_vocab_size", head.weight.shape[0]))
@@ -189,8 +189,9 @@ class Fp8Linears:
         return copy.mlp_tail(gate_up, residual)
 
 
-def _head_not_copyable(head, processor, one_row_gemv: bool) -> str | None:
-    """Why an ``lm_head`` cannot be read through an FP8 copy in the one-row step, or None."""
+def head_not_copyable(head, processor, one_row_gemv: bool) -> str | None:
+    """Why an ``lm_head`` cannot be read through the one-row GEMV (an FP8 copy, or the bf16
+    weight itself, ``ops/row_linears.py``) in the one-row step, or None."""
     if not one_row_gemv:
         return ("the step reads its copies through vLLM's Marlin (a batched step shares them, or "
                 "the one-row GEMV cannot run here)")
