@@ -479,7 +479,8 @@ def bf16_gemv(layers: int) -> dict:
     ``HEAD_COPIES`` for lm_head) and cuBLAS's, the best config; then the step's GEMVs as one
     graph, cuBLAS against the best configs, three times each, alternated; the kernel's output
     against its fp32 restatement and cuBLAS's, and row 0 of a 16-row call against the one-row
-    call. Says whether a bf16 row GEMV is worth wiring into the bf16 step: not wired."""
+    call. Said whether a bf16 row GEMV was worth wiring into the bf16 step: it is
+    (``..._SENSENOVA_STEP=rowgemv``, ``ops/row_linears.py``; benchmarks/results/h100-2026-12-05d)."""
     shapes = {**SHAPES, "lm_head": (VOCAB, HIDDEN)}
     out = {"shapes": {}}
     picks = {}

@@ -10,9 +10,13 @@ HAND-WRITTEN) takes its block sizes from the shape alone and reads any weight dt
 reads the bf16 weight in place (no copy, no scale), and its launches carry the MLP's
 SiLU-and-multiply (the gate-up launch reads each gate row's up row from the weight's second
 half) and the residual add (the down launch). Two launches for the MLP where the cuBLAS step
-runs four. Whether it is faster than cuBLAS is measured on the GPU
-(``benchmarks/probes/fp8_gemv.py --bf16-gemv``, ``bench.py --step-modes rowgemv``); it is the
-opt-in step mode ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv`` until then.
+runs four (or six with its split-K reduces). Measured on an H100 80GB
+(``benchmarks/results/h100-2026-12-05d``): the step's GEMVs read the weights at 0.96 of the copy
+bandwidth against cuBLAS's 0.88 (``benchmarks/probes/fp8_gemv.py --bf16-gemv``: qkv 18.8 against
+20.8 us, o_proj 13.5 against 16.4, down 36.8 against 39.3), and the step is 1.10-1.12x the cuBLAS
+step at contexts 512-8192 (``bench.py --step-modes rowgemv``). Not yet measured on the H200, where
+the defaults are set: the opt-in step mode ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv`` until
+then.
 
 Rounding: one fp32 sum per output in a fixed order, the bias added in fp32, one bf16 rounding;
 the SwiGLU and the residual add round where vLLM's ``silu_and_mul`` and the model's ``+`` do. It

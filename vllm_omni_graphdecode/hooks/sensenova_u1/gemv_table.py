@@ -19,6 +19,7 @@ MEASURED = {
 }
 
 # The bf16 row GEMV's block sizes (``ops/row_linears.py``, ``..._SENSENOVA_STEP=rowgemv``), per
-# weight shape. Empty until a sweep on the H200 fills it (``benchmarks/probes/fp8_gemv.py
-# --bf16-gemv`` reports the best per shape): every shape takes the shape rule (``config_for``).
+# weight shape. Empty: every shape takes the shape rule (``config_for``), which the sweep on an
+# H100 (``benchmarks/probes/fp8_gemv.py --bf16-gemv``, benchmarks/results/h100-2026-12-05d)
+# found within 1-3% of the best configuration at every shape. An H200 sweep may fill it.
 ROW_BF16: dict = {}
