@@ -122,8 +122,9 @@ print("ok")
 def test_row_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
     """``RowLinears`` on a tiny SenseNova-U1's own vllm layers (qkv, o, gate-up, down) under the
     interpreter: each within two bf16 steps of the module's output, the MLP's two launches
-    against its three steps, the head against the logits processor, and a LoRA wrapper called as itself while its adapter is active
-    (counted as a degraded path)."""
+    against its three steps, the head against the logits processor (a replaced head left to the
+    model, counted), and a LoRA wrapper called as itself while its adapter is active (counted
+    as a degraded path)."""
     _run_interpreted(LAYERS_INTERPRETED)
 
 

@@ -210,7 +210,8 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWIGLU_OUT=swiglu_out,
-        HAS_SCALE=scale is not out, HALVES=halves, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_SCALE=scale is not out, HALVES=halves, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out.reshape(*x.shape[:-1], width_out)
 
 
