@@ -15,8 +15,8 @@ runs four (or six with its split-K reduces). Measured on an H100 80GB
 bandwidth against cuBLAS's 0.88 (``benchmarks/probes/fp8_gemv.py --bf16-gemv``: qkv 18.8 against
 20.8 us, o_proj 13.5 against 16.4, down 36.8 against 39.3), and the step is 1.10-1.12x the cuBLAS
 step at contexts 512-8192 (``bench.py --step-modes rowgemv``). Not yet measured on the H200, where
-the defaults are set: the opt-in step mode ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv`` until
-then.
+the defaults are set: a hook's opt-in step mode until then (``rowgemv``,
+docs/configuration.md).
 
 Rounding: one fp32 sum per output in a fixed order, the bias added in fp32, one bf16 rounding;
 the SwiGLU and the residual add round where vLLM's ``silu_and_mul`` and the model's ``+`` do. It
@@ -48,9 +48,9 @@ ROW_HEAD_KEPT = Reason("lm_head kept on cuBLAS",
                        "language model whose forward takes compute_logits; the detail says "
                        "which is missing. Meanwhile the model's own head computes the logits")
 NO_ROW_GEMV = Reason("bf16 row GEMV unavailable",
-                     "a CUDA GPU with Triton and VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv "
-                     "with --max-num-seqs 1 (the batched step keeps cuBLAS); meanwhile the "
-                     "step's linear layers run the modules' cuBLAS GEMMs")
+                     "a CUDA GPU with Triton, and one request decoding at a time "
+                     "(--max-num-seqs 1: a batched step keeps cuBLAS); meanwhile the step's "
+                     "linear layers run the modules' cuBLAS GEMMs")
 
 
 def available(device) -> Reason | None:
