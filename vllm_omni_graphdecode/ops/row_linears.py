@@ -81,9 +81,19 @@ class RowLinears:
         n, k = weight.shape
         return row_gemv.config_for(n, k, self.table)
 
-    def _base(self, module):
+    @staticmethod
+    def _readable(module):
+        """``module``'s layer the GEMV reads (its base where a LoRA wrapper is inactive), or
+        None."""
         base = gemv.base_of_inactive_lora(module)
         if gemv.Gemv.plain(base) and base.weight.dtype in (torch.bfloat16, torch.float16):
+            return base
+        return None
+
+    def _base(self, module):
+        """``_readable``, counting a layer kept on its own kernel (once per call that runs it)."""
+        base = self._readable(module)
+        if base is not None:
             return base
         stats.degraded(self.model, ROW_LAYER_KEPT.because(
             f"{type(module).__name__} (LoRA adapter active, quantised, hooked or not bf16)"))
@@ -99,13 +109,12 @@ class RowLinears:
         """``residual + down(silu(gate) * up)`` of ``x`` in two launches: the gate-up one reads
         its (gate, up) row pairs from the weight's halves and ends in silu(gate) * up, the down
         one adds the residual. None where either layer is not plain, or the gate-up blocks do
-        not pair (the caller runs the layers one by one)."""
-        up, down = self._base(gate_up_module), self._base(down_module)
+        not pair (the caller runs the layers one by one, counting a kept layer there)."""
+        up, down = self._readable(gate_up_module), self._readable(down_module)
         if up is None or down is None:
             return None
         cfg = self._config(up.weight)
-        n = up.weight.shape[0]
-        if n % 2 or (n // 2) % (cfg.block_n // 2) or cfg.block_n % 2:
+        if cfg.block_n % 2 or up.weight.shape[0] % cfg.block_n:
             return None
         act = row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True)
         return row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),

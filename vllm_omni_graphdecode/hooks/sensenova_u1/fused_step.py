@@ -37,7 +37,7 @@ import inspect
 import torch
 
 from ...core.reasons import Reason
-from ...ops import gemv, layer_ops, row_linears
+from ...ops import gemv, layer_ops
 from ...ops.fp8 import marlin, quant
 from ...ops.fp8.linears import HEAD_KEPT, LAYER_KEPT, Fp8Linears
 from . import gemv_table, layouts, ops, rope_store
@@ -96,9 +96,7 @@ class Fusion:
         """The step's linears when they compute the logits too (an FP8 ``lm_head`` copy,
         ``linears.Fp8Linears.logits``, or the bf16 row GEMV on the head,
         ``row_linears.RowLinears.logits``), else None: the model's own head computes them."""
-        linears = self.gemv
-        return (linears if isinstance(linears, (Fp8Linears, row_linears.RowLinears))
-                and linears.has_head else None)
+        return self.gemv if getattr(self.gemv, "has_head", False) else None
 
     def projection(self, module):
         """``module`` as the model's code calls a projection (``out, _ = proj(x)``)."""
@@ -154,7 +152,7 @@ class Fusion:
             parts.append("q/k rope + K/V write in one launch")
         if self.layer_ops is not None:
             parts.append("fused norms + SiLU")
-        if isinstance(self.gemv, (Fp8Linears, row_linears.RowLinears)):
+        if callable(getattr(self.gemv, "describe", None)):  # FP8 copies, the bf16 row GEMV
             parts.append(self.gemv.describe())
         elif self.gemv is not None:
             parts.append("Inductor GEMVs")
