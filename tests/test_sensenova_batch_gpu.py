@@ -205,9 +205,13 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("env", [{}, {"VLLM_OMNI_GRAPHDECODE_FP8": "on"}], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("env", [{}, {"VLLM_OMNI_GRAPHDECODE_FP8": "on"},
+                                 {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}],
+                         ids=["bf16", "fp8", "rowgemv"])
 def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_path, env):  # noqa: F811
-    """The batch-1 path and the batched path, bf16 and with FP8 weights (Marlin): two
+    """The batch-1 path and the batched path, bf16, with FP8 weights (Marlin), and with the
+    one-request step's bf16 row GEMV (``rowgemv``: its block sizes come from the weights' shapes,
+    none from timing; the batched path refuses it and keeps cuBLAS): two
     processes, the same answers (issue #22: two engine runs parted at think token 693). The two
     run at the same time (the tiny checkpoint needs little of the GPU), which halves the test's
     time: each process spends most of it importing the stack and capturing."""

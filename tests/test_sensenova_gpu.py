@@ -12,6 +12,7 @@ Three decode paths are compared: graphs (the production path), the same paged st
 except where the eager top-2 logits are a near tie (``TIE``), after which sequences may part.
 """
 
+import copy
 import gc
 import statistics
 import time
@@ -355,6 +356,89 @@ def test_gpu_rowgemv_graph_replay_equals_its_eager_step_and_differs_from_cublas(
         "rowgemv gave cuBLAS's bits: the row GEMV did not run"
     assert stats.fallbacks(MODEL) == {}
     assert not [k for k in stats.degraded_paths(MODEL) if "cuBLAS" in k or "row GEMV" in k]
+
+
+ROWGEMV = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
+
+
+def _same_logits(got, want):
+    assert got.tokens == want.tokens
+    for i, (a, b) in enumerate(zip(got.logits, want.logits)):
+        assert torch.equal(a, b), f"step {i}: {(a - b).abs().max()}"
+
+
+def _within_the_fused_bound(got, want):
+    """``got`` (the row GEMV step) against ``want`` (the cuBLAS step): the fused step's bound,
+    3% of the largest logit; a split only where ``want``'s top-2 gap is within twice that."""
+    tol = 3e-2 * max(float(l.abs().max()) for l in want.logits)
+    return _same_tokens_up_to_a_tie(got, want, tie=2 * tol, logit_tol=tol)
+
+
+def _kept(what):
+    return [k for k in stats.degraded_paths(MODEL) if what in k]
+
+
+def test_gpu_rowgemv_runs_an_active_adapters_layers_as_themselves_then_its_base_bits_again(gpu):
+    """``rowgemv`` with vllm-omni's LoRA wrappers on every ``o_proj``, forcing the row GEMV's
+    kept-layer fallback on the GPU: with an adapter active the wrapped layers run as themselves
+    (counted under ``ROW_LAYER_KEPT``) and the rest through the row GEMV, in graphs captured for
+    that request. The answer is the adapter's (not the base answer), graph replay equals the
+    same step run eagerly, and the cuBLAS step with the same adapter agrees within the fused
+    step's bound. Unbound again, the GEMV reads each wrapper's base layer: the first base
+    answer, every logit bit for bit."""
+    lm = _build_lm(gpu.tok)  # own copy: the wrappers stay in its tree
+    graphed = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV))
+    eager = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV), graphs=False)
+    cublas = _pipe(gpu, lm=lm, graphs=False)
+    steps = 200
+    stats.reset()
+    base = _think(graphed, gpu.ids, steps)
+    assert stats.get(MODEL, "replay") > 0 and not _kept("layer kept on cuBLAS")
+    wrappers = st.add_lora_wrappers(lm)
+    common.bind_adapter(wrappers)
+    got = _think(graphed, gpu.ids, steps)
+    assert _kept("layer kept on cuBLAS"), stats.degraded_paths(MODEL)
+    assert got.text != base.text, "the adapter changed nothing: the test would prove nothing"
+    _same_logits(got, _think(eager, gpu.ids, steps))
+    _within_the_fused_bound(got, _think(cublas, gpu.ids, steps))
+    common.unbind_adapter(wrappers)
+    again = _think(graphed, gpu.ids, steps)
+    _same_logits(again, base)
+    assert stats.get(MODEL, "lora_request") >= 3 and stats.fallbacks(MODEL) == {}
+
+
+def test_gpu_rowgemv_leaves_a_replaced_lm_head_to_the_model_and_counts_it(gpu):
+    """``rowgemv`` reads ``lm_head`` through the row GEMV; replaced after load (another head, as
+    a weight reload by module swap does), the head is the model's own again (counted under
+    ``ROW_HEAD_KEPT``): the graphs are captured again, the answer is the new head's, replay
+    equals the same step run eagerly, and the cuBLAS step agrees within the fused step's
+    bound."""
+    lm = _build_lm(gpu.tok)
+    graphed = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV))
+    eager = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV), graphs=False)  # took the old head too
+    cublas = _pipe(gpu, lm=lm, graphs=False)
+    fusion = _state(graphed).fusion
+    assert fusion.linear_head is fusion.gemv and fusion.gemv.has_head
+    steps = 200
+    stats.reset()
+    base = _think(graphed, gpu.ids, steps)
+    assert not _kept("lm_head kept on cuBLAS")
+    head = copy.deepcopy(lm.lm_head)
+    with torch.no_grad():
+        w = head.weight
+        live = w.abs().amax(-1, keepdim=True) > 0  # the banned (zero) rows stay zero
+        gen = torch.Generator(device=w.device).manual_seed(3)
+        w.add_(torch.randn(w.shape, generator=gen, device=w.device, dtype=w.dtype)
+               * w.float().std().to(w.dtype) * live)
+    captures = stats.get(MODEL, "capture")
+    lm.lm_head = head
+    got = _think(graphed, gpu.ids, steps)
+    assert _kept("lm_head kept on cuBLAS"), stats.degraded_paths(MODEL)
+    assert stats.get(MODEL, "capture") > captures and stats.get(MODEL, "replay") > 0
+    assert got.text != base.text, "the new head changed nothing: the test would prove nothing"
+    _same_logits(got, _think(eager, gpu.ids, steps))
+    _within_the_fused_bound(got, _think(cublas, gpu.ids, steps))
+    assert stats.fallbacks(MODEL) == {}
 
 
 def test_gpu_inductor_gemv_agrees_with_the_module_and_leaves_lora_wrappers_alone(gpu):
