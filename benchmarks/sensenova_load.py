@@ -55,8 +55,9 @@ What is measured, per side, rate and kind (``text``, ``think_image``, ``image``,
 
 Written to ``OUT/sensenova-load.json`` after every server: ``environment`` (versions, the GPU,
 every command, the checkpoint), ``trace`` (its parameters; a later call into the same ``--out``
-must use the same ones), ``runs[side][rate]`` (the server's ``serve_args`` and plugin ``env``,
-the driver's exit code and seconds, ``summary`` as above, ``requests``: each trace request's
+must use the same ones), ``runs[side][rate]`` (the server's ``serve_args`` and plugin
+``env``, ``machine``: the GPU and versions it ran on, since the sides of one file may run in
+separate calls; the driver's exit code and seconds, ``summary`` as above, ``requests``: each trace request's
 kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or ``error``, its prompt left
 out (``poisson_trace`` rebuilds it), ``alone`` likewise, the plugin's ``counters`` and
 ``fallbacks`` summed over the server's processes), and ``summary`` (one row per side, rate and
@@ -382,8 +383,11 @@ def main(argv=None) -> int:
     ran = []
     for side in sides:
         for rate in rates:
-            record["runs"].setdefault(side, {})[rate_key(rate)] = record_run(
-                run_server(side, rate, args, checkpoint))
+            run = record_run(run_server(side, rate, args, checkpoint))
+            # Each run's own machine: runs of one file may come from separate device calls.
+            run["machine"] = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")}
+            run["machine"]["versions"] = env["versions"]
+            record["runs"].setdefault(side, {})[rate_key(rate)] = run
             ran.append((side, rate_key(rate)))
             write()
     if not args.no_plot and record["runs"]:
