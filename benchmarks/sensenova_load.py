@@ -6,9 +6,11 @@ batching and its continuous batching (``--step-execution``), the same seeded tra
                                          [--sides release,request,step] [--seed 0] [--alone 2]
                                          [--checkpoint DIR] [--tiny]
 
-One server per (side, rate), one after the other on the same GPU, each ``vllm serve MODEL
---omni --model-class-name SenseNovaU1Pipeline`` as users start it (through ``tests/e2e_serve.py
---scenario sensenova_trace``, the ``openai`` client):
+One server per side, one after the other on the same GPU, each ``vllm serve MODEL --omni
+--model-class-name SenseNovaU1Pipeline`` as users start it (through ``tests/e2e_serve.py
+--scenario sensenova_trace``, the ``openai`` client), meeting the trace at each rate of
+``--rates`` in turn, as ``benchmark_serving.py`` is run at one rate after another against one
+server (a rate's trace starts once every request of the one before is answered):
 
 - ``release``: ``VLLM_OMNI_GRAPHDECODE=0``, ``--max-num-seqs 1`` (vllm-omni 0.30 as released:
   its in-tree paged decode, one request at a time).
@@ -28,9 +30,10 @@ bytes of prompt, ``--text-tokens`` greedy tokens), a quarter think text-to-image
 quarter plain ones (think off), ``--size`` square, ``--steps`` steps, the pipeline's CFG 4, the
 think requests 1,024 think tokens (the checkpoint's end tokens are silenced), in an order drawn
 from the seed. One seed at two rates gives the same requests, the offsets scaled. Each server
-first answers one request of each kind, untimed (first-call compiles and captures); then every
-request is sent at its offset from a thread of its own, whether or not earlier ones have been
-answered; then the first ``--alone`` requests of each kind are sent again, one at a time.
+first answers one request of each kind, untimed (first-call compiles and captures); then, at
+each rate, every request is sent at its offset from a thread of its own, whether or not earlier
+ones have been answered; then the first ``--alone`` requests of each kind are sent again, one at
+a time.
 
 What is measured, per side, rate and kind (``text``, ``think_image``, ``image``, and ``all``):
 
@@ -43,9 +46,9 @@ What is measured, per side, rate and kind (``text``, ``think_image``, ``image``,
 - ``completed``, ``errors``; ``send_late_ms_max``: how far the client sent a request after its
   offset (a few ms; more means the figures are not at the asked rate);
 - ``alone``: each of those first ``--alone`` per kind against its own answer in the trace, on the
-  same server (``equal`` of ``compared``; ``differ`` names the request and the parts that
-  differ). The release serves one request at a time whatever arrives, so its count checks that
-  the server is deterministic; the plugin sides' counts check that batching, and requests
+  same server, at each rate (``equal`` of ``compared``; ``differ`` names the request and the
+  parts that differ). The release serves one request at a time whatever arrives, so its count
+  checks that the server is deterministic; the plugin sides' counts check that batching, and requests
   joining and leaving a running batch, leave every answer as the request alone gets it. Text
   answers are compared whole (sha256 of the text), images by the sha256 of their uint8 array,
   a think image's think text as well;
@@ -57,20 +60,23 @@ Written to ``OUT/sensenova-load.json`` after every server: ``environment`` (vers
 every command, the checkpoint), ``trace`` (its parameters; a later call into the same ``--out``
 must use the same ones), ``runs[side][rate]`` (the server's ``serve_args`` and plugin
 ``env``, ``machine``: the GPU and versions it ran on, since the sides of one file may run in
-separate calls; the driver's exit code and seconds, ``summary`` as above, ``requests``: each trace request's
-kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or ``error``, its prompt left
+separate calls; the driver's exit code and seconds, ``summary`` as above, ``requests``: each
+trace request's kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or ``error``, its prompt left
 out (``poisson_trace`` rebuilds it), ``alone`` likewise, the plugin's ``counters`` and
-``fallbacks`` summed over the server's processes), and ``summary`` (one row per side, rate and
-kind, and the equality counts), which is also printed. Each server's own folder
-(``OUT/<side>-rate<rate>/``) keeps the driver's ``result.json``, ``server.log`` and ``driver.log``.
+``fallbacks`` summed over the server's processes and its whole run, every rate's), and
+``summary`` (one row per side, rate and kind, and the equality counts), which is also printed.
+Each server's own folder (``OUT/<side>-rate<rates>/``, e.g. ``step-rate0.1+0.4``) keeps the
+driver's ``result.json``, ``server.log`` and ``driver.log``; ``seconds`` is that server's whole
+run.
 Then ``OUT/latency-vs-rate.png`` (``plot_load.py``: p50 and p99 against rate, a panel per kind).
 Exits 1 when a server's driver did (a request failed, or the server did not start).
 
 Sides and rates may run in separate calls into one ``--out`` (``--sides step --rates 0.4``),
-each adding its runs to the file: a device call's time limit fits one server at a time. Each
-server takes its start (about 1.5 minutes at the released shape on a warm host; FA2's JIT adds
-2-2.6 minutes once on a cold one), the arrivals (n / rate: 400 s at 0.1 and 40 requests, 100 s
-at 0.4), the backlog left at the last arrival, and the alone requests. The release's capacity
+each adding its runs to the file (each run records its GPU and versions): a device call's time
+limit fits one server at a time. Each server takes its start (about 1.5 minutes at the released
+shape on a warm host; FA2's JIT adds 2-2.6 minutes once on a cold one) and its warm-ups once,
+then per rate the arrivals (n / rate: 400 s at 0.1 and 40 requests, 100 s at 0.4) and the
+backlog left at the last arrival, then the alone requests. The release's capacity
 for this mix is about 0.2 requests a second on one H200 (from the committed single-request
 figures: a think request 11.3 s, a plain one 4.3 s, a 256-token text answer about 1.8 s; mean
 4.8 s): the default rates, 0.1 and 0.4, are one below it and one above.
@@ -145,10 +151,16 @@ def trace_params(args) -> dict:
 
 # -- one server ------------------------------------------------------------------------------
 
-def run_server(side: str, rate: float, args, checkpoint: str) -> dict:
-    """One server for ``side``, the trace at ``rate`` against it; the driver's ``result.json``
-    (under ``result``, for ``record_run``), its exit code and time."""
-    out = os.path.join(args.out, f"{side}-rate{rate_key(rate)}")
+def trace_step(rate: float) -> str:
+    """The driver's step of the trace at ``rate`` (``tests/e2e_serve.py``'s ``trace_step``)."""
+    return f"sensenova_trace_rate{rate_key(rate)}"
+
+
+def run_server(side: str, rates: list[float], args, checkpoint: str) -> dict:
+    """One server for ``side``, the trace at each of ``rates`` in turn against it; the driver's
+    ``result.json`` (under ``result``, for ``record_run``), its exit code and time."""
+    keys = [rate_key(r) for r in rates]
+    out = os.path.join(args.out, f"{side}-rate{'+'.join(keys)}")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     env = {k: v for k, v in os.environ.items()
@@ -160,7 +172,7 @@ def run_server(side: str, rate: float, args, checkpoint: str) -> dict:
         env.update(SIDES[side].env)
     serve_args = list(serve.MODEL_ARGS) + list(SIDES[side].serve_args)
     cmd = [sys.executable, serve.DRIVER, "--scenario", "sensenova_trace", "--model", checkpoint,
-           "--out", out, "--trace-rate", str(rate), "--trace-n", str(args.n),
+           "--out", out, "--trace-rate", ",".join(keys), "--trace-n", str(args.n),
            "--trace-seed", str(args.seed), "--trace-alone", str(args.alone),
            "--image-size", str(args.size), "--sensenova-steps", str(args.steps),
            "--text-tokens", str(args.text_tokens),
@@ -168,7 +180,7 @@ def run_server(side: str, rate: float, args, checkpoint: str) -> dict:
            "--init-timeout", str(args.init_timeout),
            "--request-timeout", str(args.request_timeout)] + [f"--serve-arg={a}"
                                                                for a in serve_args]
-    rc, took, result = serve.run_driver(cmd, env, out, f"{side} at {rate_key(rate)}/s")
+    rc, took, result = serve.run_driver(cmd, env, out, f"{side} at {', '.join(keys)}/s")
     return {"rc": rc, "seconds": took, "dir": os.path.basename(out), "serve_args": serve_args,
             "env": {k: v for k, v in env.items() if k.startswith("VLLM_OMNI_GRAPHDECODE")},
             "result": result}
@@ -179,13 +191,14 @@ def _requests(result: dict | None, step: str) -> list[dict] | None:
     return entry.get("requests")
 
 
-def record_run(run: dict) -> dict:
-    """What the file keeps of ``run_server``'s answer: the driver's result reduced to the
-    summary, each request's record without its prompt, and the plugin's counters."""
+def record_run(run: dict, rate: float) -> dict:
+    """What the file keeps of ``run_server``'s answer at ``rate``: the driver's result reduced
+    to the summary, each request's record without its prompt, and the plugin's counters (the
+    server's, every rate's)."""
     result = run.get("result")
     kept = {k: v for k, v in run.items() if k != "result"}
-    kept["summary"] = summarize(result)
-    for name, step in (("requests", "sensenova_trace"), ("alone", "sensenova_trace_alone")):
+    kept["summary"] = summarize(result, rate)
+    for name, step in (("requests", trace_step(rate)), ("alone", "sensenova_trace_alone")):
         records = _requests(result, step)
         kept[name] = None if records is None else [
             {k: v for k, v in r.items() if k != "prompt"} for r in records]
@@ -242,11 +255,11 @@ def compare(records: list[dict], references: list[dict]) -> dict:
     return out
 
 
-def summarize(result: dict | None) -> dict:
-    """One server's figures from the driver's ``result.json`` (module docstring): per kind and
-    ``all``, the wall time, how late the sends were, and the alone requests' comparison (None
-    when none were sent). ``error`` instead when no trace was recorded."""
-    trace = (((result or {}).get("requests") or {}).get("sensenova_trace")) or {}
+def summarize(result: dict | None, rate: float) -> dict:
+    """One server's figures at ``rate`` from the driver's ``result.json`` (module docstring):
+    per kind and ``all``, the wall time, how late the sends were, and the alone requests'
+    comparison (None when none were sent). ``error`` instead when no trace was recorded."""
+    trace = (((result or {}).get("requests") or {}).get(trace_step(rate))) or {}
     records = trace.get("requests")
     if records is None:
         return {"error": trace.get("error") or (result or {}).get("error")
@@ -317,7 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
                     help=f"which servers to run now, in order ({', '.join(SIDES)})")
     ap.add_argument("--rates", default="0.1,0.4",
-                    help="request rates (requests a second, comma list): one server each")
+                    help="request rates (requests a second, comma list), in turn on one "
+                         "server per side")
     ap.add_argument("--n", type=int, default=40, help="requests in the trace")
     ap.add_argument("--seed", type=int, default=0, help="the trace's seed (arrivals and kinds)")
     ap.add_argument("--alone", type=int, default=2, metavar="K",
@@ -381,15 +395,16 @@ def main(argv=None) -> int:
 
     write()
     ran = []
+    # Each run's own machine: runs of one file may come from separate device calls.
+    machine = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")} | {
+        "versions": env["versions"]}
     for side in sides:
+        served = run_server(side, rates, args, checkpoint)
         for rate in rates:
-            run = record_run(run_server(side, rate, args, checkpoint))
-            # Each run's own machine: runs of one file may come from separate device calls.
-            run["machine"] = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")}
-            run["machine"]["versions"] = env["versions"]
-            record["runs"].setdefault(side, {})[rate_key(rate)] = run
+            record["runs"].setdefault(side, {})[rate_key(rate)] = record_run(served, rate) | {
+                "machine": machine}
             ran.append((side, rate_key(rate)))
-            write()
+        write()
     if not args.no_plot and record["runs"]:
         record["plot"] = plot_load.plot(record, os.path.join(args.out, plot_load.PNG))
         write()

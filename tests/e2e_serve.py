@@ -30,12 +30,16 @@ Scenarios (the request kinds the summary names):
   ``--trace-rate`` a second, Poisson, ``--trace-seed``; half text answers of
   ``--text-prompt-chars``-byte prompts, a quarter think images, a quarter plain images, think
   off, of ``--image-size``); one warm-up of each kind, one after another, untimed
-  (``sensenova_trace_warmup``); then ``sensenova_trace``: every request sent at its offset from
-  the first send, from a thread of its own (one a request: a request in flight never holds a
-  later one back), each recorded with its kind, offset, when it was sent, its latency and its
-  answer (text and think text cut to 200 characters, with their full length and sha256; images
-  as sha256, shape and mean); then ``sensenova_trace_alone`` (``--trace-alone K``): the first K
-  of each kind again, one at a time, for the answers to be compared. No sleep phase.
+  (``sensenova_trace_warmup``); then, for each rate of ``--trace-rate`` (one, or a comma list
+  run in turn on the same server, as ``benchmark_serving.py`` is run at one rate after another
+  against one server), ``sensenova_trace_rate<RATE>`` (``trace_step``): every request sent at
+  its offset from the first send, from a thread of its own (one a request: a request in flight
+  never holds a later one back), each recorded with its kind, offset, when it was sent, its
+  latency and its answer (text and think text cut to 200 characters, with their full length and
+  sha256; images as sha256, shape and mean); the next rate starts once every request of the one
+  before is answered; then ``sensenova_trace_alone`` (``--trace-alone K``): the first K of each
+  kind again, one at a time, for the answers to be compared (one seed gives the same requests at
+  every rate). No sleep phase.
 * ``qwen``: ``qwen_t2i`` (``/v1/images/generations``), ``qwen_edit`` (``/v1/images/edits`` with
   two reference images), ``qwen_edit_chat`` (the same edit through ``/v1/chat/completions`` with
   two ``image_url`` parts), ``qwen_concurrent_N`` (N text-to-image requests of distinct seeds,
@@ -117,8 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sensenova_load: the think images' height and width")
     p.add_argument("--text-prompt-chars", type=int, default=64,
                    help="sensenova_load: bytes of each text prompt (a token a byte here)")
-    p.add_argument("--trace-rate", type=float, default=1.0,
-                   help="sensenova_trace: requests a second (Poisson arrivals)")
+    p.add_argument("--trace-rate", default="1",
+                   help="sensenova_trace: requests a second (Poisson arrivals); a comma list "
+                        "runs the trace at each rate in turn on the same server")
     p.add_argument("--trace-n", type=int, default=8, help="sensenova_trace: requests in the trace")
     p.add_argument("--trace-seed", type=int, default=0,
                    help="sensenova_trace: the seed of the arrival times and of the kinds' order")
@@ -137,10 +142,26 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--env {item}: expected K=V")
     if args.sensenova_steps < 2 or args.qwen_steps < 2:
         p.error("steps must be >= 2 (one step divides by zero in the tiny schedulers)")
-    if not args.trace_rate > 0 or args.trace_n < 1 or args.trace_alone < 0:
+    args.trace_rates = trace_rates(args.trace_rate)
+    if args.trace_rates is None or args.trace_n < 1 or args.trace_alone < 0:
         p.error(f"--trace-rate {args.trace_rate}, --trace-n {args.trace_n}, --trace-alone "
-                f"{args.trace_alone}: expected a rate > 0, n >= 1 and K >= 0")
+                f"{args.trace_alone}: expected rates > 0 (one, or a comma list), n >= 1 and "
+                "K >= 0")
     return args
+
+
+def trace_rates(text: str) -> list[float] | None:
+    """``--trace-rate``'s rates in the order given, or None where one is not a number > 0."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        return None
+    return rates if all(r > 0 for r in rates) else None
+
+
+def trace_step(rate: float) -> str:
+    """The result's step of the trace at ``rate``: ``sensenova_trace_rate0.4``."""
+    return f"sensenova_trace_rate{rate:g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -681,10 +702,8 @@ def _with_errors(entry: dict) -> dict:
 
 
 def run_sensenova_trace(rec: Recorder, client, url: str, model: str, args) -> None:
-    """A warm-up of each kind, the trace at its arrival times, then (``--trace-alone K``) the
-    first K of each kind one at a time."""
-    trace = poisson_trace(args.trace_rate, args.trace_n, args.trace_seed,
-                          prompt_chars=args.text_prompt_chars)
+    """A warm-up of each kind, the trace at its arrival times at each rate in turn, then
+    (``--trace-alone K``) the first K of each kind one at a time."""
 
     def send(spec):
         if spec["kind"] == "text":
@@ -700,10 +719,13 @@ def run_sensenova_trace(rec: Recorder, client, url: str, model: str, args) -> No
     warmups = [trace_request(args.trace_n + j, kind, 0.0, args.text_prompt_chars)
                for j, (kind, _) in enumerate(TRACE_MIX)]  # past the trace: prompts of their own
     _step(rec, "sensenova_trace_warmup", lambda: one_at_a_time(warmups))
-    params = {"rate": args.trace_rate, "n": args.trace_n, "seed": args.trace_seed,
-              "mix": dict(TRACE_MIX), "counts": mix_counts(args.trace_n)}
-    _step(rec, "sensenova_trace", lambda: params | send_trace(trace, send))
-    if args.trace_alone:
+    for rate in args.trace_rates:
+        trace = poisson_trace(rate, args.trace_n, args.trace_seed,
+                              prompt_chars=args.text_prompt_chars)
+        params = {"rate": rate, "n": args.trace_n, "seed": args.trace_seed,
+                  "mix": dict(TRACE_MIX), "counts": mix_counts(args.trace_n)}
+        _step(rec, trace_step(rate), lambda: params | send_trace(trace, send))
+    if args.trace_alone:  # the same requests at every rate: the last trace's specs serve
         taken: dict[str, int] = {}
         alone = []
         for spec in trace:

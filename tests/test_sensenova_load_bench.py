@@ -168,7 +168,8 @@ class _TraceStub(serve_cpu._EchoStub):
         super().do_POST()
 
 
-TRACE_ARGV = ["--trace-rate", "1000", "--trace-n", "8", "--trace-seed", "3", "--trace-alone", "1",
+TRACE_ARGV = ["--trace-rate", "1000,2000", "--trace-n", "8", "--trace-seed", "3",
+              "--trace-alone", "1",
               "--image-size", "1024", "--sensenova-steps", "50", "--text-tokens", "256",
               "--text-prompt-chars", "500"]
 
@@ -176,7 +177,8 @@ TRACE_ARGV = ["--trace-rate", "1000", "--trace-n", "8", "--trace-seed", "3", "--
 @pytest.fixture(scope="module")
 def trace_run(tmp_path_factory):
     """The ``sensenova_trace`` scenario against the echo stub: 8 requests at 1,000 a second (all
-    offsets within milliseconds), then the first of each kind alone."""
+    offsets within milliseconds), the same 8 at 2,000 a second, then the first of each kind
+    alone."""
     out = tmp_path_factory.mktemp("trace")
     _TraceStub.bodies.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _TraceStub)
@@ -194,6 +196,9 @@ def trace_run(tmp_path_factory):
     return result, list(_TraceStub.bodies), trace
 
 
+RATES = (1000.0, 2000.0)
+
+
 def _prompt(body: dict) -> str:
     content = body["messages"][0]["content"]
     return content if isinstance(content, str) else content[0]["text"]
@@ -205,13 +210,18 @@ def _echoed_image_sha256(seed: int) -> str:
 
 def test_trace_scenario_records_every_request_with_its_kind_latency_and_answer(trace_run):
     result, _, trace = trace_run
-    assert list(result["requests"]) == ["sensenova_trace_warmup", "sensenova_trace",
-                                        "sensenova_trace_alone"]
-    entry = result["requests"]["sensenova_trace"]
-    assert entry["errors"] == 0 and "error" not in entry
-    assert (entry["rate"], entry["n"], entry["seed"]) == (1000.0, 8, 3)
-    assert entry["counts"] == {"text": 4, "think_image": 2, "image": 2}
-    assert isinstance(entry["wall_s"], float) and isinstance(entry["late_s_max"], float)
+    assert list(result["requests"]) == ["sensenova_trace_warmup", "sensenova_trace_rate1000",
+                                        "sensenova_trace_rate2000", "sensenova_trace_alone"]
+    for rate in RATES:
+        entry = result["requests"][e2e_serve.trace_step(rate)]
+        assert entry["errors"] == 0 and "error" not in entry
+        assert (entry["rate"], entry["n"], entry["seed"]) == (rate, 8, 3)
+        assert entry["counts"] == {"text": 4, "think_image": 2, "image": 2}
+        assert isinstance(entry["wall_s"], float) and isinstance(entry["late_s_max"], float)
+        # one seed at another rate: the same requests, the offsets scaled
+        want = e2e_serve.poisson_trace(rate, 8, 3, prompt_chars=500)
+        assert [{k: got[k] for k in spec} for spec, got in zip(want, entry["requests"])] == want
+    entry = result["requests"]["sensenova_trace_rate1000"]
     assert len(entry["requests"]) == 8
     for spec, got in zip(trace, entry["requests"]):
         assert {k: got[k] for k in spec} == spec
@@ -231,17 +241,22 @@ def test_trace_scenario_sends_in_trace_order_none_before_its_offset(trace_run):
     """The send times the client took: in trace order (each request dispatched only once the one
     before has taken its time) and never before the request's offset."""
     result, _, _ = trace_run
-    records = result["requests"]["sensenova_trace"]["requests"]
-    sent = [r["sent_s"] for r in records]
-    assert sent == sorted(sent)
-    assert all(r["sent_s"] >= round(r["offset_s"], 3) - 0.001 for r in records)
+    for rate in RATES:
+        records = result["requests"][e2e_serve.trace_step(rate)]["requests"]
+        sent = [r["sent_s"] for r in records]
+        assert sent == sorted(sent)
+        assert all(r["sent_s"] >= round(r["offset_s"], 3) - 0.001 for r in records)
 
 
-def test_trace_scenario_warms_up_each_kind_then_the_trace_then_the_first_of_each_kind_alone(
+def test_trace_scenario_warms_up_each_kind_then_each_rates_trace_then_the_first_of_each_kind_alone(
         trace_run):
+    """One warm-up per server, the trace at each rate in turn (the second starts once the first
+    is answered: its bodies all come after the first's), then the alone requests."""
     result, bodies, trace = trace_run
-    assert len(bodies) == 3 + 8 + 3
-    warmups, traced, alone = bodies[:3], bodies[3:11], bodies[11:]
+    assert len(bodies) == 3 + 8 + 8 + 3
+    warmups, traced, again, alone = bodies[:3], bodies[3:11], bodies[11:19], bodies[19:]
+    assert sorted((_prompt(b), b["seed"]) for b in again) == sorted(
+        (_prompt(b), b["seed"]) for b in traced)
     first = {}
     for spec in trace:
         first.setdefault(spec["kind"], spec)
@@ -272,14 +287,25 @@ def test_trace_scenario_bodies_read_by_vllm_omni_as_asked_the_plain_image_with_t
         kinds["think_image" if extras["think"] else "image"] += 1
         assert extras["think"] is body["think"]
         assert (args["height"], args["width"], args["num_inference_steps"]) == (1024, 1024, 50)
-    assert kinds == {"text": 1 + 4 + 1, "think_image": 1 + 2 + 1, "image": 1 + 2 + 1}
+    assert kinds == {"text": 1 + 2 * 4 + 1, "think_image": 1 + 2 * 2 + 1,
+                     "image": 1 + 2 * 2 + 1}
 
 
 def test_trace_scenario_alone_answers_equal_the_traced_ones_on_an_echo_server(trace_run):
     result, _, _ = trace_run
-    summary = load.summarize(result)
-    assert summary["alone"] == {"compared": 3, "equal": 3, "differ": [], "not_compared": []}
-    assert summary["kinds"]["all"]["completed"] == 8 and summary["kinds"]["text"]["requests"] == 4
+    for rate in RATES:
+        summary = load.summarize(result, rate)
+        assert summary["alone"] == {"compared": 3, "equal": 3, "differ": [], "not_compared": []}
+        assert summary["kinds"]["all"]["completed"] == 8
+        assert summary["kinds"]["text"]["requests"] == 4
+
+
+@pytest.mark.parametrize("value", ["0.1,x", "0", "0.2,-1", ""])
+def test_driver_refuses_a_rate_that_is_not_above_zero_naming_it(value, capsys):
+    with pytest.raises(SystemExit):
+        e2e_serve.parse_args(["--scenario", "sensenova_trace", "--model", "tiny", "--out", "o",
+                              "--trace-rate", value])
+    assert f"--trace-rate {value}, " in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,9 +334,11 @@ ALONE = [_rec(0, "text", 1.0, text_sha256="t0"),
          _rec(4, "image", 2.0, image_sha256="i4")]
 
 
-def _result(trace=TRACE, alone=ALONE, wall=10.0):
-    requests = {"sensenova_trace_warmup": {"requests": [], "errors": 0},
-                "sensenova_trace": {"wall_s": wall, "late_s_max": 0.0021, "requests": trace}}
+def _result(trace=TRACE, alone=ALONE, wall=10.0, rates=(0.2,)):
+    requests = {"sensenova_trace_warmup": {"requests": [], "errors": 0}}
+    for rate in rates:
+        requests[e2e_serve.trace_step(rate)] = {"wall_s": wall, "late_s_max": 0.0021,
+                                                "requests": trace}
     if alone is not None:
         requests["sensenova_trace_alone"] = {"k": 2, "requests": alone}
     return {"start": "ready", "requests": requests,
@@ -326,7 +354,7 @@ def test_latency_percentiles_take_the_ranks_common_percentiles_takes():
 
 
 def test_summary_of_a_hand_written_result_gives_the_hand_computed_figures():
-    summary = load.summarize(_result())
+    summary = load.summarize(_result(), 0.2)
     assert summary["wall_s"] == 10.0 and summary["send_late_ms_max"] == 2.1
     kinds = summary["kinds"]
     # text: 2 of 3 answered in 10 s; latencies 1 and 3 s -> the upper middle is 3 s
@@ -345,21 +373,23 @@ def test_summary_of_a_hand_written_result_gives_the_hand_computed_figures():
                                 "differ": [{"i": 3, "kind": "think_image",
                                             "parts": ["image_sha256"]}],
                                 "not_compared": [2]}
-    assert load.summarize(_result(alone=None))["alone"] is None
+    assert load.summarize(_result(alone=None), 0.2)["alone"] is None
+    assert load.summarize(_result(), 0.4) == {"error": "server ready"}  # no trace at 0.4
 
 
 def test_summary_of_a_server_that_never_served_says_why():
-    assert load.summarize({"start": "timeout", "requests": {}}) == {"error": "server timeout"}
-    assert load.summarize(None) == {"error": "server not started"}
-    failed = {"start": "ready", "requests": {"sensenova_trace": {
+    assert load.summarize({"start": "timeout", "requests": {}}, 0.2) == {
+        "error": "server timeout"}
+    assert load.summarize(None, 0.2) == {"error": "server not started"}
+    failed = {"start": "ready", "requests": {"sensenova_trace_rate0.2": {
         "error": "RuntimeError: boom", "traceback": "..."}}}
-    assert load.summarize(failed) == {"error": "RuntimeError: boom"}
+    assert load.summarize(failed, 0.2) == {"error": "RuntimeError: boom"}
 
 
 def _run(side, trace=TRACE, rc=0):
     return load.record_run({"rc": rc, "seconds": 1.0, "dir": f"{side}-rate0.2",
                             "serve_args": list(load.SIDES[side].serve_args), "env": {},
-                            "result": _result(trace)})
+                            "result": _result(trace)}, 0.2)
 
 
 def test_rows_and_equality_of_every_side_and_the_plugin_sides_against_the_release():
@@ -381,7 +411,8 @@ def test_rows_and_equality_of_every_side_and_the_plugin_sides_against_the_releas
         (side, rate, kind) for side, rate in (("release", 0.2), ("step", 0.05), ("step", 0.2))
         for kind in ("text", "think_image", "image", "all")]
     assert summary["rows"][3] == {"side": "release", "rate": 0.2, "kind": "all",
-                                  **load.summarize(_result())["kinds"]["all"], "wall_s": 10.0}
+                                  **load.summarize(_result(), 0.2)["kinds"]["all"],
+                                  "wall_s": 10.0}
     assert summary["equality"][2] == {"side": "step", "rate": 0.2,
                                       "alone": {"equal": 2, "compared": 3, "differ": [3]},
                                       "same_as_release": {"equal": 4, "compared": 5,
@@ -459,8 +490,9 @@ def test_bad_arguments_name_the_value_and_what_is_accepted(tmp_path, capsys, arg
 def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path, monkeypatch,
                                                                       capsys):
     """The driver stood in for by a function writing what it would (every request answered in
-    1 s, the step side's at 0.2 failed): each side's server arguments and environment, one trace
-    for all, one file, exit 1; a later call adds a rate; one with another trace is refused."""
+    1 s, the step side's server failed): one server per side meeting every rate in turn, its
+    arguments and environment, one trace for all, one file, exit 1; a later call adds a rate;
+    one with another trace is refused."""
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")  # complete: not written again
@@ -470,14 +502,18 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
         assert cmd[1] == load.serve.DRIVER
         args = e2e_serve.parse_args(cmd[2:])
         calls.append((args, {k: v for k, v in env.items() if k.startswith("VLLM_OMNI")}))
-        trace = e2e_serve.poisson_trace(args.trace_rate, args.trace_n, args.trace_seed,
-                                        prompt_chars=args.text_prompt_chars)
-        records = [dict(s, sent_s=s["offset_s"], latency_s=1.0, done_s=s["offset_s"] + 1,
-                        text_sha256=str(s["i"])) for s in trace]
-        result = _result(records, records[:2], wall=records[-1]["done_s"])
+        result = _result(alone=None, rates=())
+        for rate in args.trace_rates:
+            trace = e2e_serve.poisson_trace(rate, args.trace_n, args.trace_seed,
+                                            prompt_chars=args.text_prompt_chars)
+            records = [dict(s, sent_s=s["offset_s"], latency_s=rate, done_s=s["offset_s"] + 1,
+                            text_sha256=str(s["i"])) for s in trace]
+            result["requests"][e2e_serve.trace_step(rate)] = {
+                "wall_s": records[-1]["done_s"], "late_s_max": 0.0, "requests": records}
+            result["requests"]["sensenova_trace_alone"] = {"k": 2, "requests": records[:2]}
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
-        failed = "--step-execution" in args.serve_arg and args.trace_rate == 0.4
+        failed = "--step-execution" in args.serve_arg
         return subprocess.CompletedProcess(cmd, 1 if failed else 0)
 
     monkeypatch.setattr(load.serve.subprocess, "run", driver)
@@ -489,11 +525,11 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
         "release": ["0.1", "0.4"], "request": ["0.1", "0.4"], "step": ["0.1", "0.4"]}
     model_args = ["--model-class-name", "SenseNovaU1Pipeline"]
     assert [(a.serve_arg, env["VLLM_OMNI_GRAPHDECODE"], "VLLM_OMNI_GRAPHDECODE_STATS_FILE" in env)
-            for a, env in calls[::2]] == [
+            for a, env in calls] == [
         (model_args + ["--max-num-seqs", "1"], "0", False),
         (model_args + ["--max-num-seqs", "8", "--request-batch-max-wait-ms", "100"], "1", True),
         (model_args + ["--step-execution", "--max-num-seqs", "16"], "1", True)]
-    assert [a.trace_rate for a, _ in calls] == [0.1, 0.4] * 3
+    assert [a.trace_rates for a, _ in calls] == [[0.1, 0.4]] * 3  # one server a side
     assert {(a.scenario, a.trace_n, a.trace_seed, a.trace_alone, a.image_size, a.text_tokens,
              a.sensenova_steps, a.text_prompt_chars) for a, _ in calls} == {
         ("sensenova_trace", 8, 5, 2, 1024, 256, 50, 500)}
@@ -501,7 +537,13 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
     assert step["serve_args"] == model_args + ["--step-execution", "--max-num-seqs", "16"]
     assert step["summary"]["kinds"]["all"]["completed"] == 8
     assert step["summary"]["same_as_release"]["equal"] == 8
-    assert record["summary"]["failed"] == [{"side": "step", "rate": 0.4, "rc": 1, "error": None}]
+    assert step["summary"]["alone"]["equal"] == 2
+    # each rate's figures are its own trace's (the stub's latency is the rate)
+    assert {rate: run["summary"]["kinds"]["all"]["p50_ms"]
+            for rate, run in record["runs"]["request"].items()} == {"0.1": 100.0, "0.4": 400.0}
+    assert step["dir"] == record["runs"]["step"]["0.4"]["dir"] == "step-rate0.1+0.4"
+    assert record["summary"]["failed"] == [{"side": "step", "rate": rate, "rc": 1, "error": None}
+                                           for rate in (0.1, 0.4)]
     assert len(record["summary"]["rows"]) == 3 * 2 * 4
     assert record["trace"] == {"n": 8, "seed": 5, "size": 1024, "steps": 50, "text_tokens": 256,
                                "text_prompt_chars": 500, "alone": 2, "tiny": False}
@@ -537,9 +579,10 @@ def test_each_side_starts_its_server_with_its_variables_and_no_others(tmp_path, 
     args = argparse.Namespace(out=str(tmp_path), n=4, seed=0, alone=1, size=64, steps=2,
                               text_tokens=8, text_prompt_chars=40, init_timeout=10,
                               request_timeout=10)
-    run = load.run_server(side, 0.5, args, "/checkpoint")
+    run = load.run_server(side, [0.5, 2.0], args, "/checkpoint")
     plugin = {k: v for k, v in seen["env"].items() if k.startswith("VLLM_OMNI_GRAPHDECODE")}
     assert plugin.pop("VLLM_OMNI_GRAPHDECODE") == ("0" if side == "release" else "1")
     plugin.pop("VLLM_OMNI_GRAPHDECODE_STATS_FILE", None)
     assert plugin == expected and run["env"]["VLLM_OMNI_GRAPHDECODE"]
     assert ("--serve-arg=--step-execution" in seen["cmd"]) == side.startswith("step")
+    assert seen["cmd"][seen["cmd"].index("--trace-rate") + 1] == "0.5,2"
