@@ -1,0 +1,266 @@
+"""The batched decode step's bf16 GEMMs at 1-16 rows: cuBLAS against a HAND-WRITTEN Triton
+candidate with the weight's rows on the tensor-core tile's long side (issue #42).
+
+    python benchmarks/probes/rows_gemm.py --out DIR [--rows 1,8,16] [--layers 42] [--quick]
+
+Why: the batched step (up to 16 requests a token, padded to a fixed row count so that a row
+rounds alike in any batch) reads every weight once for all its rows, so it is bound by the
+weights' bytes. cuBLAS reads them short of that: the 168 GEMMs of a SenseNova-U1 step (42 layers
+of qkv 6144x4096, o_proj 4096x4096, gate_up 24576x4096, down 4096x12288) took 4.62 ms at 16 rows
+against a 3.79 ms copy floor on the H200 (``benchmarks/results/h200-2026-12-01f``
+``fp8-probe-0.26``). The earlier Triton tile of that probe put the 16 rows on the tile's long
+side and was slower still (5.10 ms, with FP8 weights). This candidate swaps the operands: each
+program computes ``W[n0:n0+BLOCK_N] @ X.T`` (``BLOCK_N`` weight rows on the tile's M, the 16
+padded rows on its N), streams its weight rows ``BLOCK_K`` at a time and, with ``SPLIT_K`` > 1,
+writes fp32 partial sums that a second launch adds in a fixed order.
+
+Batch invariance: the tile always holds 16 rows (absent ones read as zeros), and an output's
+sum runs over the same K blocks with the same instruction and the same split reduction whatever
+the other rows hold; the block sizes are fixed per shape. So row 0 of a 16-row call equals the
+one-row call bit for bit (``row_invariant``, checked here on the GPU; the CPU test checks it under
+Triton's interpreter, where the tiles are widened to fp32 before the product: the interpreter
+multiplies bf16 tiles wrongly, Triton 3.7.1).
+
+What it measures (JSON printed and written to DIR/rows-gemm.json):
+
+- ``sweep``: per shape, us per layer for each block-size candidate at 16 rows (a chain of
+  ``--layers`` own weights as one CUDA graph, so L2 never serves one), and cuBLAS's;
+- ``chain``: the step's 168 GEMMs as one graph at each of ``--rows``: cuBLAS (``F.linear``) and
+  the candidate with each shape's best configuration, ms per chain, against the copy floor;
+- ``rel_err``: the candidate against cuBLAS per shape at 16 rows (||a - b|| / ||b||);
+- ``row_invariant``: per shape, the candidate's and cuBLAS's row 0 at 16 rows against 1 row.
+
+Nothing in the plugin uses the candidate: it is wired only if this shows it faster than cuBLAS
+at 8 and 16 rows and invariant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from vllm_omni_graphdecode.graphs.compiling import triton_kernel  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 4096, 32, 8, 128, 12288
+SHAPES = {
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * MLP, HIDDEN),
+    "down": (HIDDEN, MLP),
+}
+TILE_ROWS = 16  # rows of the tile: 1-16 rows padded to 16
+COPY_TB_S = 4.28  # the H200's measured copy bandwidth, for the floor
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_n: int  # weight rows a program owns (the tile's M)
+    block_k: int  # K a loop step reads
+    split_k: int  # programs sharing one weight row's K (fp32 partials, added in order)
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+SWEEP = [Config(bn, bk, sk, w, st)
+         for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4)
+         for (w, st) in ((4, 3), (4, 4), (8, 4))]
+QUICK = [Config(64, 128, sk, 4, 4) for sk in (1, 2, 4)] + [Config(128, 128, 2, 8, 4)]
+
+
+def _define(triton, tl):
+    @triton.jit
+    def rows_gemm(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                  SPLIT_K: tl.constexpr, WIDEN: tl.constexpr):
+        # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
+        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32.
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, ROWS)
+        offs_k = tl.arange(0, BLOCK_K)
+        per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k0 = split * per_split
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for start in range(0, per_split, BLOCK_K):
+            k = k0 + start + offs_k
+            k_mask = k < K
+            w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            xt = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & k_mask[:, None], other=0.0)
+            if WIDEN:  # Triton's interpreter multiplies bf16 tiles wrongly (3.7.1)
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc += tl.dot(w, xt)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
+        tl.store(out, acc, mask=offs_n[:, None] < N)
+
+    @triton.jit
+    def add_splits(part_ptr, out_ptr, M, N, stride_om, ROWS: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ...), in split order.
+        m = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        total = tl.load(part_ptr + m * N + offs, mask=mask, other=0.0)
+        for s in range(1, SPLIT_K):
+            total += tl.load(part_ptr + s * ROWS * N + m * N + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + m * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rows_gemm, add_splits
+
+
+_kernels = triton_kernel(_define)
+
+
+def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
+              part: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N] in x's
+    dtype, each row as if alone. ``part``: a [split_k, 16, N] fp32 workspace to reuse."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > TILE_ROWS:
+        raise ValueError(f"{m} rows: the tile holds {TILE_ROWS}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if part is None:
+        part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device=x.device)
+    gemm, add = _kernels()
+    gemm[(-(-n // cfg.block_n), cfg.split_k)](
+        x, weight, part, m, n, k, x.stride(0), weight.stride(0), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    add[(-(-n // block), m)](part, out, m, n, out.stride(0), ROWS=TILE_ROWS,
+                             SPLIT_K=cfg.split_k, BLOCK=block)
+    return out
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def graph_ms(fn, replays: int = 10, trials: int = 7) -> float:
+    from common import capture_graph, time_ms
+
+    graph, _ = capture_graph(fn)
+    return time_ms(graph.replay, warmup=1, repeats=trials, inner=replays)
+
+
+def floor_us(n: int, k: int) -> float:
+    return round(2 * n * k / (COPY_TB_S * 1e12) * 1e6, 2)
+
+
+def sweep(layers: int, candidates) -> tuple[dict, dict]:
+    best, table = {}, {}
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        x = torch.randn(TILE_ROWS, k, device="cuda", dtype=torch.bfloat16)
+        rows = [{"config": "cublas",
+                 "us": round(graph_ms(lambda: [F.linear(x, w) for w in ws]) * 1000 / layers, 2)}]
+        for cfg in candidates:
+            entry = {"config": dataclasses.asdict(cfg)}
+            part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device="cuda")
+            try:
+                entry["us"] = round(graph_ms(
+                    lambda: [rows_gemm(x, w, cfg, part) for w in ws]) * 1000 / layers, 2)
+            except Exception as exc:  # noqa: BLE001 - reported
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(entry)
+            log(name, entry)
+        ok = [r for r in rows[1:] if "error" not in r]
+        pick = min(ok, key=lambda r: r["us"])
+        best[name] = Config(**pick["config"])
+        table[name] = {"shape": [n, k], "cublas_us": rows[0]["us"], "best": pick,
+                       "floor_us": floor_us(n, k), "all": rows}
+        del ws
+        torch.cuda.empty_cache()
+    return best, table
+
+
+def chain(layers: int, rows_list, best: dict) -> dict:
+    ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                 for _ in range(layers)] for name, (n, k) in SHAPES.items()}
+    parts = {name: torch.empty(best[name].split_k, TILE_ROWS, n, dtype=torch.float32,
+                               device="cuda") for name, (n, k) in SHAPES.items()}
+    out = {"floor_ms": round(layers * sum(floor_us(n, k) for n, k in SHAPES.values()) / 1000, 4)}
+    for m in rows_list:
+        xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+              for name, (n, k) in SHAPES.items()}
+        sides = {
+            "cublas": lambda: [F.linear(xs[name], ws[name][i])
+                               for i in range(layers) for name in SHAPES],
+            "candidate": lambda: [rows_gemm(xs[name], ws[name][i], best[name], parts[name])
+                                  for i in range(layers) for name in SHAPES],
+        }
+        times = {side: [] for side in sides}
+        for _ in range(3):  # alternated
+            for side, fn in sides.items():
+                times[side].append(graph_ms(fn))
+        out[f"m{m}"] = {side: round(sorted(t)[1], 4) for side, t in times.items()}
+        out[f"m{m}"]["all_ms"] = {side: [round(v, 4) for v in t] for side, t in times.items()}
+        log("chain", m, out[f"m{m}"])
+    return out
+
+
+def checks(best: dict) -> tuple[dict, dict]:
+    rel, invariant = {}, {}
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        x = torch.randn(TILE_ROWS, k, device="cuda", dtype=torch.bfloat16)
+        got, want = rows_gemm(x, w, best[name]).float(), F.linear(x, w).float()
+        rel[name] = round(float((got - want).norm() / want.norm()), 6)
+        invariant[name] = {
+            "candidate": bool(torch.equal(rows_gemm(x[:1], w, best[name])[0],
+                                          rows_gemm(x, w, best[name])[0])),
+            "cublas": bool(torch.equal(F.linear(x[:1], w)[0], F.linear(x, w)[0]))}
+    return rel, invariant
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="1,8,16")
+    ap.add_argument("--layers", type=int, default=42)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"sweep {len(QUICK)} configurations, not {len(SWEEP)}")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device", "command": " ".join(sys.argv)}))
+        return 0
+    from common import environment
+
+    t0 = time.monotonic()
+    torch.manual_seed(0)
+    doc = {"environment": environment()}
+    best, doc["sweep"] = sweep(args.layers, QUICK if args.quick else SWEEP)
+    doc["configs"] = {name: dataclasses.asdict(cfg) for name, cfg in best.items()}
+    doc["rel_err"], doc["row_invariant"] = checks(best)
+    doc["chain"] = chain(args.layers, [int(r) for r in args.rows.split(",")], best)
+    doc["seconds"] = round(time.monotonic() - t0, 1)
+    text = json.dumps(doc, indent=1)
+    with open(os.path.join(args.out, "rows-gemm.json"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
