@@ -79,11 +79,12 @@ QUICK = [Config(64, 128, sk, 4, 4) for sk in (1, 2, 4)] + [Config(128, 128, 2, 8
 
 def _define(triton, tl):
     @triton.jit
-    def rows_gemm(x_ptr, w_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+    def rows_gemm(x_ptr, w_ptr, part_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                   SPLIT_K: tl.constexpr, WIDEN: tl.constexpr):
         # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
-        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32.
+        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. One split writes
+        # out[m, n] in x's dtype itself (no second launch).
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,8 +107,13 @@ def _define(triton, tl):
                 acc += tl.dot(w, xt)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
-        tl.store(out, acc, mask=offs_n[:, None] < N)
+        if SPLIT_K == 1:
+            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty),
+                     mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+        else:
+            out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
+            tl.store(out, acc, mask=offs_n[:, None] < N)
 
     @triton.jit
     def add_splits(part_ptr, out_ptr, M, N, stride_om, ROWS: tl.constexpr,
@@ -130,22 +136,26 @@ _kernels = triton_kernel(_define)
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
               part: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N] in x's
-    dtype, each row as if alone. ``part``: a [split_k, 16, N] fp32 workspace to reuse."""
+    dtype, each row as if alone. ``part``: a [split_k, 16, N] fp32 workspace to reuse (split_k
+    above 1)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > TILE_ROWS:
         raise ValueError(f"{m} rows: the tile holds {TILE_ROWS}")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if part is None:
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if part is None and cfg.split_k > 1:
         part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device=x.device)
     gemm, add = _kernels()
     gemm[(-(-n // cfg.block_n), cfg.split_k)](
-        x, weight, part, m, n, k, x.stride(0), weight.stride(0), BLOCK_N=cfg.block_n,
+        x, weight, out if part is None else part, out, m, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if cfg.split_k == 1:
+        return out
     block = 1024
     add[(-(-n // block), m)](part, out, m, n, out.stride(0), ROWS=TILE_ROWS,
                              SPLIT_K=cfg.split_k, BLOCK=block)
@@ -176,7 +186,8 @@ def sweep(layers: int, candidates) -> tuple[dict, dict]:
                  "us": round(graph_ms(lambda: [F.linear(x, w) for w in ws]) * 1000 / layers, 2)}]
         for cfg in candidates:
             entry = {"config": dataclasses.asdict(cfg)}
-            part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device="cuda")
+            part = (torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device="cuda")
+                    if cfg.split_k > 1 else None)
             try:
                 entry["us"] = round(graph_ms(
                     lambda: [rows_gemm(x, w, cfg, part) for w in ws]) * 1000 / layers, 2)
@@ -198,7 +209,8 @@ def chain(layers: int, rows_list, best: dict) -> dict:
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                  for _ in range(layers)] for name, (n, k) in SHAPES.items()}
     parts = {name: torch.empty(best[name].split_k, TILE_ROWS, n, dtype=torch.float32,
-                               device="cuda") for name, (n, k) in SHAPES.items()}
+                               device="cuda") if best[name].split_k > 1 else None
+             for name, (n, k) in SHAPES.items()}
     out = {"floor_ms": round(layers * sum(floor_us(n, k) for n, k in SHAPES.values()) / 1000, 4)}
     for m in rows_list:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
