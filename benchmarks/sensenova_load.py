@@ -48,10 +48,10 @@ What is measured, per side, rate and kind (``text``, ``think_image``, ``image``,
 - ``alone``: each of those first ``--alone`` per kind against its own answer in the trace, on the
   same server, at each rate (``equal`` of ``compared``; ``differ`` names the request and the
   parts that differ). The release serves one request at a time whatever arrives, so its count
-  checks that the server is deterministic; the plugin sides' counts check that batching, and requests
-  joining and leaving a running batch, leave every answer as the request alone gets it. Text
-  answers are compared whole (sha256 of the text), images by the sha256 of their uint8 array,
-  a think image's think text as well;
+  checks that the server is deterministic; the plugin sides' counts check that batching, and
+  requests joining and leaving a running batch, leave every answer as the request alone gets
+  it. Text answers are compared whole (sha256 of the text), images by the sha256 of their uint8
+  array, a think image's think text as well;
 - ``same_as_release`` (the plugin sides): each request's answer against the release's answer to
   the same request at the same rate, where both are in the file: reported, not required (the
   plugin's decode is not the release's kernels).
@@ -61,8 +61,8 @@ every command, the checkpoint), ``trace`` (its parameters; a later call into the
 must use the same ones), ``runs[side][rate]`` (the server's ``serve_args`` and plugin
 ``env``, ``machine``: the GPU and versions it ran on, since the sides of one file may run in
 separate calls; the driver's exit code and seconds, ``summary`` as above, ``requests``: each
-trace request's kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or ``error``, its prompt left
-out (``poisson_trace`` rebuilds it), ``alone`` likewise, the plugin's ``counters`` and
+trace request's kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or
+``error``, its prompt left out (``poisson_trace`` rebuilds it), ``alone`` likewise, the plugin's ``counters`` and
 ``fallbacks`` summed over the server's processes and its whole run, every rate's), and
 ``summary`` (one row per side, rate and kind, and the equality counts), which is also printed.
 Each server's own folder (``OUT/<side>-rate<rates>/``, e.g. ``step-rate0.1+0.4``) keeps the

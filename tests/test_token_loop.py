@@ -314,7 +314,8 @@ def test_tokens_per_launch_setting_is_parsed_and_bad_values_are_named():
         with pytest.raises(config.ConfigError,
                            match=f"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH='{bad}'.*1 to 64"):
             config.parse({"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": bad})
-    with pytest.raises(config.ConfigError, match="SENSENOVA_STEP='fast'.*fused, tuned, rowgemv, exact"):
+    with pytest.raises(config.ConfigError,
+                       match="SENSENOVA_STEP='fast'.*fused, tuned, rowgemv, exact"):
         config.parse({"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fast"})
 
 
