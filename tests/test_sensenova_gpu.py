@@ -362,7 +362,9 @@ ROWGEMV = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
 
 
 def _same_logits(got, want):
+    """The same tokens and every step's logits bit for bit."""
     assert got.tokens == want.tokens
+    assert len(got.logits) == len(want.logits)
     for i, (a, b) in enumerate(zip(got.logits, want.logits)):
         assert torch.equal(a, b), f"step {i}: {(a - b).abs().max()}"
 

@@ -32,7 +32,7 @@ from vllm_omni_graphdecode.testing import sensenova as rm
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 from test_sensenova_gpu import _cfg as _decode_cfg
-from test_sensenova_gpu import _pipe, _think, gpu  # noqa: F401 - the decode model fixture
+from test_sensenova_gpu import _pipe, _same_logits, _think, gpu  # noqa: F401 - the fixture
 from test_structure_changes import HOOKS, Scale, moves
 
 pytestmark = pytest.mark.gpu
@@ -137,13 +137,6 @@ def _decode_pipeline(gpu, **env):  # noqa: F811
     return _pipe(gpu, cfg=_decode_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0", **env))
 
 
-def _same_bit_for_bit(got, want):
-    assert got.tokens == want.tokens
-    assert len(got.logits) == len(want.logits)
-    for i, (a, b) in enumerate(zip(got.logits, want.logits)):
-        assert torch.equal(a, b), f"step {i}: {(a - b).abs().max()}"
-
-
 @pytest.mark.parametrize("weights", ["bf16", "fp8"])
 def test_gpu_decode_a_to_round_trip_between_requests_recaptures_and_decodes_bit_for_bit(
         gpu, weights):  # noqa: F811
@@ -161,7 +154,7 @@ def test_gpu_decode_a_to_round_trip_between_requests_recaptures_and_decodes_bit_
     assert captures > 0 and replays > 0
     taken = round_trip(gpu.lm)
     second = _think(pipe, gpu.ids, 100)
-    _same_bit_for_bit(second, first)
+    _same_logits(second, first)
     assert stats.get(DECODE, "capture") == 2 * captures  # every bucket captured again
     assert stats.get(DECODE, "replay") == 2 * replays
     assert moves(DECODE) == 1 and stats.fallbacks(DECODE) == {}
@@ -201,7 +194,7 @@ def test_gpu_decode_a_hook_on_one_projection_after_capture_runs_the_request_eage
     finally:
         _unhook(proj, kind)
     assert calls > 0
-    _same_bit_for_bit(got, want)
+    _same_logits(got, want)
     assert not torch.equal(got.logits[0], plain.logits[0])
     assert stats.fallbacks(DECODE) == {f"{DECODE}: {hook.HOOKED.key}": 1}
 
