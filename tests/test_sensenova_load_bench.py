@@ -542,6 +542,10 @@ def test_main_runs_every_side_and_rate_through_the_driver_into_one_file(tmp_path
     assert {rate: run["summary"]["kinds"]["all"]["p50_ms"]
             for rate, run in record["runs"]["request"].items()} == {"0.1": 100.0, "0.4": 400.0}
     assert step["dir"] == record["runs"]["step"]["0.4"]["dir"] == "step-rate0.1+0.4"
+    # each run names the machine and versions it ran on (runs of one file may come from calls
+    # on other machines)
+    assert step["machine"]["versions"] == record["environment"]["versions"]
+    assert set(step["machine"]) == {"gpu", "memory_mib", "driver", "versions"}
     assert record["summary"]["failed"] == [{"side": "step", "rate": rate, "rc": 1, "error": None}
                                            for rate in (0.1, 0.4)]
     assert len(record["summary"]["rows"]) == 3 * 2 * 4
