@@ -76,7 +76,9 @@ each adding its runs to the file (each run records its GPU and versions): a devi
 limit fits one server at a time. Each server takes its start (about 1.5 minutes at the released
 shape on a warm host; FA2's JIT adds 2-2.6 minutes once on a cold one) and its warm-ups once,
 then per rate the arrivals (n / rate: 400 s at 0.1 and 40 requests, 100 s at 0.4) and the
-backlog left at the last arrival, then the alone requests. The release's capacity
+backlog left at the last arrival, then the alone requests (on an H100, with 40 requests, a
+plugin server's whole run took 242-250 s at 0.4 and 401 s at 0.15; the checkpoint, written once
+a machine, 34 s more). The release's capacity
 for this mix is about 0.2 requests a second on one H200 (from the committed single-request
 figures: a think request 11.3 s, a plain one 4.3 s, a 256-token text answer about 1.8 s; mean
 4.8 s): the default rates, 0.1 and 0.4, are one below it and one above.
