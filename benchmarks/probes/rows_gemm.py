@@ -26,12 +26,19 @@ What it measures (JSON printed and written to DIR/rows-gemm.json):
 - ``sweep``: per shape, us per layer for each block-size candidate at 16 rows (a chain of
   ``--layers`` own weights as one CUDA graph, so L2 never serves one), and cuBLAS's;
 - ``chain``: the step's 168 GEMMs as one graph at each of ``--rows``: cuBLAS (``F.linear``) and
-  the candidate with each shape's best configuration, ms per chain, against the copy floor;
+  the candidate with each shape's best configuration, ms per chain, against the copy floor
+  (the weights' bytes at ``copy_tb_s``, this machine's device-to-device copy rate, measured
+  first);
 - ``rel_err``: the candidate against cuBLAS per shape at 16 rows (||a - b|| / ||b||);
 - ``row_invariant``: per shape, the candidate's and cuBLAS's row 0 at 16 rows against 1 row.
 
-Nothing in the plugin uses the candidate: it is wired only if this shows it faster than cuBLAS
-at 8 and 16 rows and invariant.
+Run once, on an H100 80GB with ``--quick`` (``benchmarks/results/h100-2026-12-06`` ``c/``): the
+chain 6.04 against cuBLAS's 6.38 ms at 16 rows (1.057x), 6.01 against 6.30 at 8 (1.048x), every
+shape's row 0 invariant, relative error below 5e-7 (1.5e-4 for down, four K splits). That run
+took its floor from the H200's 4.28 TB/s, then a constant; the H100's is about 3.0 TB/s (5.38 ms
+for the chain). Nothing in the plugin uses the candidate yet: it beat cuBLAS at 8 and 16 rows
+and kept rows invariant on the H100, but the H200 has not run it, and wiring it into the batched
+step waits for a session that can run the batch GPU tests with it.
 """
 
 from __future__ import annotations
@@ -59,7 +66,6 @@ SHAPES = {
     "down": (HIDDEN, MLP),
 }
 TILE_ROWS = 16  # rows of the tile: 1-16 rows padded to 16
-COPY_TB_S = 4.28  # the H200's measured copy bandwidth, for the floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +179,12 @@ def graph_ms(fn, replays: int = 10, trials: int = 7) -> float:
     return time_ms(graph.replay, warmup=1, repeats=trials, inner=replays)
 
 
-def floor_us(n: int, k: int) -> float:
-    return round(2 * n * k / (COPY_TB_S * 1e12) * 1e6, 2)
+def floor_us(n: int, k: int, copy_tb_s: float) -> float:
+    """A bf16 ``n`` x ``k`` weight's bytes at the machine's measured copy rate, us."""
+    return round(2 * n * k / (copy_tb_s * 1e12) * 1e6, 2)
 
 
-def sweep(layers: int, candidates) -> tuple[dict, dict]:
+def sweep(layers: int, candidates, copy_tb_s: float) -> tuple[dict, dict]:
     best, table = {}, {}
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
@@ -199,19 +206,20 @@ def sweep(layers: int, candidates) -> tuple[dict, dict]:
         pick = min(ok, key=lambda r: r["us"])
         best[name] = Config(**pick["config"])
         table[name] = {"shape": [n, k], "cublas_us": rows[0]["us"], "best": pick,
-                       "floor_us": floor_us(n, k), "all": rows}
+                       "floor_us": floor_us(n, k, copy_tb_s), "all": rows}
         del ws
         torch.cuda.empty_cache()
     return best, table
 
 
-def chain(layers: int, rows_list, best: dict) -> dict:
+def chain(layers: int, rows_list, best: dict, copy_tb_s: float) -> dict:
     ws = {name: [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
                  for _ in range(layers)] for name, (n, k) in SHAPES.items()}
     parts = {name: torch.empty(best[name].split_k, TILE_ROWS, n, dtype=torch.float32,
                                device="cuda") if best[name].split_k > 1 else None
              for name, (n, k) in SHAPES.items()}
-    out = {"floor_ms": round(layers * sum(floor_us(n, k) for n, k in SHAPES.values()) / 1000, 4)}
+    out = {"floor_ms": round(layers * sum(floor_us(n, k, copy_tb_s)
+                                          for n, k in SHAPES.values()) / 1000, 4)}
     for m in rows_list:
         xs = {name: torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
               for name, (n, k) in SHAPES.items()}
@@ -257,15 +265,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device", "command": " ".join(sys.argv)}))
         return 0
-    from common import environment
+    from common import copy_bandwidth_bytes_per_s, environment
 
     t0 = time.monotonic()
     torch.manual_seed(0)
     doc = {"environment": environment()}
-    best, doc["sweep"] = sweep(args.layers, QUICK if args.quick else SWEEP)
+    copy_tb_s = doc["copy_tb_s"] = round(copy_bandwidth_bytes_per_s() / 1e12, 3)
+    best, doc["sweep"] = sweep(args.layers, QUICK if args.quick else SWEEP, copy_tb_s)
     doc["configs"] = {name: dataclasses.asdict(cfg) for name, cfg in best.items()}
     doc["rel_err"], doc["row_invariant"] = checks(best)
-    doc["chain"] = chain(args.layers, [int(r) for r in args.rows.split(",")], best)
+    doc["chain"] = chain(args.layers, [int(r) for r in args.rows.split(",")], best, copy_tb_s)
     doc["seconds"] = round(time.monotonic() - t0, 1)
     text = json.dumps(doc, indent=1)
     with open(os.path.join(args.out, "rows-gemm.json"), "w") as f:
