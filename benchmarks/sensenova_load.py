@@ -64,7 +64,8 @@ separate calls; the driver's exit code and seconds, ``summary`` as above, ``requ
 trace request's kind, ``offset_s``, ``sent_s``, ``done_s``, ``latency_s``, answer or
 ``error``, its prompt left out (``poisson_trace`` rebuilds it), ``alone`` likewise, the plugin's ``counters`` and
 ``fallbacks`` summed over the server's processes and its whole run, every rate's), and
-``summary`` (one row per side, rate and kind, and the equality counts), which is also printed.
+``summary`` (one row per side, rate and kind, the equality counts, and ``targets``: issue #41's
+ratios at each rate the step side ran, ``targets()``), which is also printed.
 Each server's own folder (``OUT/<side>-rate<rates>/``, e.g. ``step-rate0.1+0.4``) keeps the
 driver's ``result.json``, ``server.log`` and ``driver.log``; ``seconds`` is that server's whole
 run.
@@ -311,7 +312,41 @@ def summary(record: dict) -> dict:
                     row[name] = {"equal": got["equal"], "compared": got["compared"],
                                  "differ": [d["i"] for d in got["differ"]]}
             equality.append(row)
-    return {"rows": rows, "equality": equality, "failed": failed}
+    return {"rows": rows, "equality": equality, "failed": failed,
+            "targets": targets(record["runs"])}
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def targets(runs: dict) -> list[dict]:
+    """Issue #41's ratios at each rate the step side ran, from the file's figures (None where a
+    figure is missing): ``text_p99_over_alone``, the step server's text p99 over the median of
+    its own alone text answers; where request mode ran at the rate, ``think_image_`` and
+    ``image_p99_over_request`` (step p99 over request mode's) and ``throughput_over_request``
+    (all kinds' requests a second); where the release ran, ``throughput_over_release``."""
+    out = []
+    for rate, step in sorted((runs.get("step") or {}).items(), key=lambda kv: float(kv[0])):
+        kinds = step["summary"].get("kinds") or {}
+        alone = sorted(r["latency_s"] for r in step.get("alone") or []
+                       if r["kind"] == "text" and "error" not in r)
+        alone_ms = 1000 * alone[len(alone) // 2] if alone else None
+        row = {"rate": float(rate), "alone_text_ms": alone_ms,
+               "text_p99_over_alone": _ratio(kinds.get("text", {}).get("p99_ms"), alone_ms)}
+        for other in ("request", "release"):
+            theirs = ((runs.get(other) or {}).get(rate) or {}).get("summary", {}).get("kinds")
+            if not theirs:
+                continue
+            if other == "request":
+                for kind in ("think_image", "image"):
+                    row[f"{kind}_p99_over_request"] = _ratio(
+                        kinds.get(kind, {}).get("p99_ms"), theirs.get(kind, {}).get("p99_ms"))
+            row[f"throughput_over_{other}"] = _ratio(
+                kinds.get("all", {}).get("throughput_rps"),
+                theirs.get("all", {}).get("throughput_rps"))
+        out.append(row)
+    return out
 
 
 # -- the run ---------------------------------------------------------------------------------

@@ -421,6 +421,25 @@ def test_rows_and_equality_of_every_side_and_the_plugin_sides_against_the_releas
     json.dumps(record)
 
 
+def test_targets_are_the_step_sides_ratios_to_its_lone_text_answer_request_mode_and_release():
+    """Step: text p99 3 s, think p99 12 s, plain p99 2 s, 0.5 requests a second; its lone text
+    answers took 1 s (median of 1 and 1 s). Request mode at 0.2: every latency 4x, one request
+    fewer answered (0.4 a second). Release at 0.2: the step's figures."""
+    slow = [dict(r, latency_s=4 * r["latency_s"]) if "latency_s" in r else dict(r)
+            for r in TRACE]
+    slow[4] = dict(slow[4], error="APITimeoutError: Request timed out.")
+    record = {"runs": {"release": {"0.2": _run("release")},
+                       "request": {"0.2": _run("request", slow)},
+                       "step": {"0.2": _run("step"), "0.05": _run("step")}}}
+    load.rebuild(record)
+    assert record["summary"]["targets"] == [
+        {"rate": 0.05, "alone_text_ms": 1000.0, "text_p99_over_alone": 3.0},
+        {"rate": 0.2, "alone_text_ms": 1000.0, "text_p99_over_alone": 3.0,
+         "think_image_p99_over_request": 0.25, "image_p99_over_request": None,
+         "throughput_over_request": 1.25, "throughput_over_release": 1.0}]
+    assert load.targets({"request": {"0.2": _run("request")}}) == []  # no step side
+
+
 def test_plot_series_are_p50_and_p99_per_side_and_kind_rates_ascending():
     record = {"runs": {"step": {"0.2": _run("step"), "0.05": _run("step")},
                        "release": {"0.2": _run("release"),
