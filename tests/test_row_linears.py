@@ -8,7 +8,7 @@ import torch
 from test_fp8 import _run_interpreted
 from vllm_omni_graphdecode import config
 from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring
-from vllm_omni_graphdecode.ops import row_linears
+from vllm_omni_graphdecode.ops import row_linears, rows_gemm
 
 KERNEL_INTERPRETED = """
 import torch
@@ -55,7 +55,7 @@ LAYERS_INTERPRETED = """
 import torch
 import torch.nn.functional as F
 from vllm_omni_graphdecode.core import stats
-from vllm_omni_graphdecode.ops import row_linears
+from vllm_omni_graphdecode.ops import row_linears, rows_gemm
 from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 from vllm_omni_graphdecode.testing import sensenova as st, common
 
@@ -135,6 +135,8 @@ def test_rowgemv_is_a_step_mode_and_refused_where_it_cannot_serve():
     linears, (why,) = wiring.row_gemv_linears("cpu", 1)
     assert linears is None and row_linears.NO_ROW_GEMV.same(why)
     assert "device is cpu" in why.describe()
-    linears, (why,) = wiring.row_gemv_linears("cuda", 8)
-    assert linears is None and "8 rows" in why.describe()
+    # With the batched step (rows above 1) the 16-row GEMM serves instead
+    # (``tests/test_rows_gemm.py``).
+    linears, why = wiring.row_gemv_linears("cuda", 8)
+    assert isinstance(linears, rows_gemm.RowsLinears) and why == []
     assert "rowgemv" in wiring.FUSED_STEPS and "exact" not in wiring.FUSED_STEPS

@@ -11,6 +11,8 @@ The claims, each a test below:
   the largest logit, the bound ``tests/test_sensenova_gpu.py`` holds the batch-1 fused step to);
   the greedy tokens agree except after a near tie;
 * a captured launch equals the same launch run eagerly, token for token;
+* with ``..._SENSENOVA_STEP=rowgemv`` the batched step's linear layers read the plugin's 16-row
+  GEMM, and the claims above hold for it too;
 * the same requests give the same answers in two processes (batched, and the batch-1 path with
   its tuned GEMVs);
 * base -> LoRA -> base: the last base answer is the first one;
@@ -92,23 +94,38 @@ def _prefilled(pipe, ids):
     return out.logits, cache, t_idx
 
 
-def test_gpu_rowgemv_is_refused_beside_the_batched_step_and_counted(checkpoint):  # noqa: F811
-    """``..._SENSENOVA_STEP=rowgemv`` with the batched step (rows above 1): the one-request step
-    keeps cuBLAS, as the batched step does, so a request rounds alike alone and in a batch; the
-    reason is counted as a degraded path."""
+ROWGEMV = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
+
+
+def test_gpu_rowgemv_batch_reads_the_row_gemm_and_answers_as_alone(checkpoint):  # noqa: F811
+    """``..._SENSENOVA_STEP=rowgemv`` with the batched step (rows above 1): its linear layers
+    read the plugin's 16-row GEMM (``ops/rows_gemm.py``), none kept on cuBLAS, and a request's
+    answer in a batch is its answer alone, bit for bit, as with cuBLAS."""
+    from vllm_omni_graphdecode.ops.rows_gemm import RowsLinears
+
     stats.reset()
-    pipe = _pipeline(checkpoint, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP="rowgemv"),
-                     rows=4)
+    pipe = _pipeline(checkpoint, cfg=_cfg(**ROWGEMV))
     wiring = getattr(pipe, hook.STATE_ATTR)
-    assert wiring.batch is not None
-    assert getattr(wiring.fusion, "gemv", None) is None, wiring.fusion.describe()
-    assert any("bf16 row GEMV unavailable" in k for k in stats.degraded_paths("sensenova_u1"))
+    assert isinstance(wiring.batch.linears, RowsLinears)
+    assert wiring.batch._decoder().model.fusion.gemv is wiring.batch.linears
+    assert "bf16 row GEMMs" in wiring.batch.describe()
+    requests = _mixed()
+    together = [_answer(o) for o in pipe.forward(_batch(requests))]
+    assert stats.get(MODEL, "batch_capture") >= 1
+    alone = {i: _answer(pipe.forward(_batch([requests[i]]))) for i in (5, 3, 1, 4, 0, 2)}
+    assert together == [alone[i] for i in range(len(requests))]
+    assert stats.fallbacks(MODEL) == {}
+    assert not any("kept on cuBLAS" in k or "unavailable" in k
+                   for k in stats.degraded_paths(MODEL)), stats.degraded_paths(MODEL)
 
 
-def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint):  # noqa: F811
+@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint, env):  # noqa: F811
     """Three rows decoding 80 tokens together, one token per launch: each step's logits of a
-    row against the pipeline's own eager step fed the same token over its ``DynamicCache``."""
-    pipe = _pipeline(checkpoint, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH="1"), rows=4)
+    row against the pipeline's own eager step fed the same token over its ``DynamicCache``
+    (the batched step's linear layers through cuBLAS, and through the 16-row GEMM)."""
+    pipe = _pipeline(checkpoint, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH="1", **env),
+                     rows=4)
     wiring = getattr(pipe, hook.STATE_ATTR)
     decoder = wiring.batch._decoder()
     eager = _pipeline(checkpoint, cfg=False)
@@ -152,8 +169,9 @@ def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint):  # noqa:
     assert parted <= 2
 
 
-def test_gpu_a_captured_launch_equals_the_same_launch_run_eagerly(checkpoint):  # noqa: F811
-    pipes = [_pipeline(checkpoint, rows=4, graphs=g) for g in (True, False)]
+@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+def test_gpu_a_captured_launch_equals_the_same_launch_run_eagerly(checkpoint, env):  # noqa: F811
+    pipes = [_pipeline(checkpoint, cfg=_cfg(**env), rows=4, graphs=g) for g in (True, False)]
     prompts = [rm.prompt_ids(pipes[0].tokenizer, n, seed=n, device="cuda") for n in (20, 37, 9)]
     results = []
     for pipe in pipes:
@@ -209,9 +227,9 @@ SCRIPT = textwrap.dedent("""
                                  {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}],
                          ids=["bf16", "fp8", "rowgemv"])
 def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_path, env):  # noqa: F811
-    """The batch-1 path and the batched path, bf16, with FP8 weights (Marlin), and with the
-    one-request step's bf16 row GEMV (``rowgemv``: its block sizes come from the weights' shapes,
-    none from timing; the batched path refuses it and keeps cuBLAS): two
+    """The batch-1 path and the batched path, bf16, with FP8 weights (Marlin), and with
+    ``rowgemv`` (the one-request step's bf16 row GEMV and the batched step's 16-row GEMM: block
+    sizes from the weights' shapes, none from timing): two
     processes, the same answers (issue #22: two engine runs parted at think token 693). The two
     run at the same time (the tiny checkpoint needs little of the GPU), which halves the test's
     time: each process spends most of it importing the stack and capturing."""

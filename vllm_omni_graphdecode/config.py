@@ -237,14 +237,17 @@ SETTINGS: tuple[Setting, ...] = (
             "- `rowgemv`: `fused` with the linear layers through the plugin's one-row GEMV on "
             "the bf16 weights themselves (`ops/row_linears.py`: block sizes from the shape, none "
             "picked by timing; the MLP in two launches, the SiLU-and-multiply in the "
-            "gate-up one and the residual add in the down one), `lm_head` too. With "
-            "`--max-num-seqs 1` only. 1.10-1.12x `fused` on the H200 and on an H100, the same "
-            "answers in two processes; not yet the default (the GPU suite has not run with it "
-            "as the default).\n"
+            "gate-up one and the residual add in the down one), `lm_head` too: 1.10-1.12x "
+            "`fused` on the H200 and on an H100, the same answers in two processes. With "
+            "`--max-num-seqs` above 1 the batched step's linear layers read the plugin's "
+            "16-row GEMM instead (`ops/rows_gemm.py`, block sizes from the shape; its GEMMs "
+            "1.05x cuBLAS's on an H100, the batched server not yet run on a GPU). Not yet the "
+            "default (the GPU suite has not run with it as the default).\n"
             "- `exact`: the model's own modules, as its eager step computes.\n\n"
             "With `--max-num-seqs` above 1 the batched step runs the `fused` parts with cuBLAS "
-            "whatever this says: its kernels must reduce each row alike at any batch and in any "
-            "process. Speed of each: [performance](performance.md#how-each-default-was-set)."),
+            "for `fused`, `tuned` and `exact` (`tuned`'s GEMVs are picked by timing, and the "
+            "batched step's kernels must reduce each row alike at any batch and in any "
+            "process). Speed of each: [performance](performance.md#how-each-default-was-set)."),
     Setting(SENSENOVA_DENOISE_VAR, "graph", _choice("off", "graph", "fast"), "sensenova_denoise",
             "SenseNova-U1 denoising: `graph` replays each CFG branch's step as a CUDA graph (bit"
             " for bit), `fast` a compiled restated step (it rounds differently), `off`.",

@@ -36,9 +36,10 @@ Run once, on an H100 80GB with ``--quick`` (``benchmarks/results/h100-2026-12-06
 chain 6.04 against cuBLAS's 6.38 ms at 16 rows (1.057x), 6.01 against 6.30 at 8 (1.048x), every
 shape's row 0 invariant, relative error below 5e-7 (1.5e-4 for down, four K splits). That run
 took its floor from the H200's 4.28 TB/s, then a constant; the H100's is about 3.0 TB/s (5.38 ms
-for the chain). Nothing in the plugin uses the candidate yet: it beat cuBLAS at 8 and 16 rows
-and kept rows invariant on the H100, but the H200 has not run it, and wiring it into the batched
-step waits for a session that can run the batch GPU tests with it.
+for the chain). Having beaten cuBLAS at 8 and 16 rows with rows invariant, the kernel moved into
+the plugin (``ops/rows_gemm.py``, block sizes from ``config_for``, the rule that reproduces that
+run's picks; ``plugin_rule_matches`` says whether a sweep here picks the same): the batched step
+reads it under ``..._SENSENOVA_STEP=rowgemv``. The H200 has not run it.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vllm_omni_graphdecode.graphs.compiling import triton_kernel  # noqa: E402
+# The kernel is the plugin's (``ops/rows_gemm.py``); the probe sweeps its block sizes.
+from vllm_omni_graphdecode.ops.rows_gemm import (  # noqa: E402
+    TILE_ROWS, Config, config_for, rows_gemm)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 4096, 32, 8, 128, 12288
 SHAPES = {
@@ -65,107 +68,10 @@ SHAPES = {
     "gate_up": (2 * MLP, HIDDEN),
     "down": (HIDDEN, MLP),
 }
-TILE_ROWS = 16  # rows of the tile: 1-16 rows padded to 16
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    block_n: int  # weight rows a program owns (the tile's M)
-    block_k: int  # K a loop step reads
-    split_k: int  # programs sharing one weight row's K (fp32 partials, added in order)
-    num_warps: int = 4
-    num_stages: int = 4
-
-
 SWEEP = [Config(bn, bk, sk, w, st)
          for bn in (32, 64, 128) for bk in (64, 128, 256) for sk in (1, 2, 4)
          for (w, st) in ((4, 3), (4, 4), (8, 4))]
 QUICK = [Config(64, 128, sk, 4, 4) for sk in (1, 2, 4)] + [Config(128, 128, 2, 8, 4)]
-
-
-def _define(triton, tl):
-    @triton.jit
-    def rows_gemm(x_ptr, w_ptr, part_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                  SPLIT_K: tl.constexpr, WIDEN: tl.constexpr):
-        # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
-        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. One split writes
-        # out[m, n] in x's dtype itself (no second launch).
-        pid_n = tl.program_id(0)
-        split = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, ROWS)
-        offs_k = tl.arange(0, BLOCK_K)
-        per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-        k0 = split * per_split
-        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
-        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
-        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        for start in range(0, per_split, BLOCK_K):
-            k = k0 + start + offs_k
-            k_mask = k < K
-            w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            xt = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & k_mask[:, None], other=0.0)
-            if WIDEN:  # Triton's interpreter multiplies bf16 tiles wrongly (3.7.1)
-                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
-            else:
-                acc += tl.dot(w, xt)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        if SPLIT_K == 1:
-            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty),
-                     mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
-        else:
-            out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
-            tl.store(out, acc, mask=offs_n[:, None] < N)
-
-    @triton.jit
-    def add_splits(part_ptr, out_ptr, M, N, stride_om, ROWS: tl.constexpr,
-                   SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ...), in split order.
-        m = tl.program_id(1)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        total = tl.load(part_ptr + m * N + offs, mask=mask, other=0.0)
-        for s in range(1, SPLIT_K):
-            total += tl.load(part_ptr + s * ROWS * N + m * N + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + m * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-    return rows_gemm, add_splits
-
-
-_kernels = triton_kernel(_define)
-
-
-def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
-              part: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N] in x's
-    dtype, each row as if alone. ``part``: a [split_k, 16, N] fp32 workspace to reuse (split_k
-    above 1)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > TILE_ROWS:
-        raise ValueError(f"{m} rows: the tile holds {TILE_ROWS}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if part is None and cfg.split_k > 1:
-        part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device=x.device)
-    gemm, add = _kernels()
-    gemm[(-(-n // cfg.block_n), cfg.split_k)](
-        x, weight, out if part is None else part, out, m, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k,
-        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if cfg.split_k == 1:
-        return out
-    block = 1024
-    add[(-(-n // block), m)](part, out, m, n, out.stride(0), ROWS=TILE_ROWS,
-                             SPLIT_K=cfg.split_k, BLOCK=block)
-    return out
 
 
 def log(*a):
@@ -273,6 +179,9 @@ def main(argv=None) -> int:
     copy_tb_s = doc["copy_tb_s"] = round(copy_bandwidth_bytes_per_s() / 1e12, 3)
     best, doc["sweep"] = sweep(args.layers, QUICK if args.quick else SWEEP, copy_tb_s)
     doc["configs"] = {name: dataclasses.asdict(cfg) for name, cfg in best.items()}
+    # Whether the plugin's shape rule (``rows_gemm.config_for``) picks what this sweep picked.
+    doc["plugin_rule_matches"] = {name: config_for(*SHAPES[name]) == cfg
+                                  for name, cfg in best.items()}
     doc["rel_err"], doc["row_invariant"] = checks(best)
     doc["chain"] = chain(args.layers, [int(r) for r in args.rows.split(",")], best, copy_tb_s)
     doc["seconds"] = round(time.monotonic() - t0, 1)

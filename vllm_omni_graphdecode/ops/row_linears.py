@@ -23,9 +23,10 @@ Rounding: one fp32 sum per output in a fixed order, the bias added in fp32, one 
 the SwiGLU and the residual add round where vLLM's ``silu_and_mul`` and the model's ``+`` do. It
 differs from cuBLAS in the sum order only, and is the same in every process.
 
-A one-row kernel: a step of several rows would read every weight once per row, so the batched
-step keeps cuBLAS (the hook counts the reason), and one process never serves a request through
-both (its answer must not depend on whether it ran alone).
+A one-row kernel: a step of several rows would read every weight once per row, so where the
+engine batches (``--max-num-seqs`` above 1) ``rowgemv`` reads the 16-row GEMM instead
+(``rows_gemm.RowsLinears``), for every step of the process: one process never serves a request
+through both (its answer must not depend on whether it ran alone).
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ ROW_HEAD_KEPT = Reason("lm_head kept on cuBLAS",
                        "language model whose forward takes compute_logits; the detail says "
                        "which is missing. Meanwhile the model's own head computes the logits")
 NO_ROW_GEMV = Reason("bf16 row GEMV unavailable",
-                     "a CUDA GPU with Triton, and one request decoding at a time "
-                     "(--max-num-seqs 1: a batched step keeps cuBLAS); meanwhile the step's "
-                     "linear layers run the modules' cuBLAS GEMMs")
+                     "a CUDA GPU with Triton; meanwhile the step's linear layers run the "
+                     "modules' cuBLAS GEMMs")
 
 
 def available(device) -> Reason | None:

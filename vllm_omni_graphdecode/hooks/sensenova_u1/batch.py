@@ -87,8 +87,8 @@ class BatchStep:
     """The ``decoder.BatchStepModel`` of a SenseNova-U1 language model: ``rows`` one-token
     sequences as one sequence of ``rows`` tokens through the model's forward, attention through
     the batch's paged K/V (``PAGED_KWARG``). ``fusion``: the fused step's norms and rope
-    (``fused_step.Fusion`` without its GEMVs: the linear layers are the modules' own, cuBLAS at a
-    fixed row count), or None (the model's own layers)."""
+    (``fused_step.Fusion``; the linear layers the modules' own, cuBLAS at a fixed row count, or
+    the batch's ``linears``), or None (the model's own layers)."""
 
     def __init__(self, language_model, layout: layouts.Layout, rows: int, *, fusion=None):
         layouts.check_model(language_model, layout)
@@ -120,7 +120,8 @@ class BatchStep:
 
 def _batch_fusion(lm, layout, device, dtype, linears=None):
     """The fused step's norms (and rope once per step on 0.24-0.28) with the modules' own GEMMs
-    or ``linears`` (the one-request step's FP8 copies, ``fp8.Fp8Linears``: Marlin at 16 rows),
+    or ``linears`` (the one-request step's FP8 copies, ``fp8.Fp8Linears``: Marlin at 16 rows, or
+    ``rowgemv``'s 16-row bf16 GEMM, ``rows_gemm.RowsLinears``),
     never the tuned GEMVs (a kernel configured by timing could round the same request
     differently in another process)."""
     if not layout.fused_step or torch.device(device).type != "cuda":
@@ -157,7 +158,9 @@ class BatchWiring:
         self.lock = threading.Lock()
         self._gate_reason: Reason | None = None
         self.dtype = next(self.lm.parameters()).dtype
-        self.linears = linears  # FP8 copies (fp8.Fp8Linears) or None: the modules' own GEMMs
+        # FP8 copies (fp8.Fp8Linears), the 16-row bf16 GEMM (rows_gemm.RowsLinears) or None:
+        # the modules' own GEMMs
+        self.linears = linears
         # The pipeline's forward beneath this batch's (``wiring.install`` sets it): what a
         # request runs under step execution (``steps.py``).
         self.inner_forward = pipeline.forward

@@ -246,7 +246,7 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
                                              attention=batch_attention, graphs=graphs,
                                              writer=writer, refusal=wiring.batch_refusal,
                                              lora=lambda: wiring.lora,
-                                             linears=_fp8_of(fusion),
+                                             linears=_batch_linears_of(fusion),
                                              changed=wiring.changed_during_request)
 
     # From here on nothing is checked any more: patch.
@@ -393,16 +393,17 @@ FUSED_STEPS = ("fused", "tuned", "rowgemv")
 
 
 def row_gemv_linears(device, rows: int, language_model=None):
-    """``(row_linears.RowLinears or None, [why not / what stays on cuBLAS])`` for
-    ``..._SENSENOVA_STEP=rowgemv``: only where one request decodes at a time (``rows`` 1; a
-    batched step keeps cuBLAS, and a request must round alike alone and in a batch) on a device
-    that runs the kernel; ``language_model``'s ``lm_head`` too where its logits are a plain
-    projection and its forward takes ``compute_logits``."""
-    from ...ops import row_linears
+    """``(linears or None, [why not / what stays on cuBLAS])`` for
+    ``..._SENSENOVA_STEP=rowgemv``: with one request at a time (``rows`` 1) the one-row GEMV
+    (``row_linears.RowLinears``), ``language_model``'s ``lm_head`` too where its logits are a
+    plain projection and its forward takes ``compute_logits``; with the batched step (``rows``
+    above 1) the 16-row GEMM (``rows_gemm.RowsLinears``), which every step of the process then
+    reads, so a request rounds alike alone and in a batch. None on a device that runs neither."""
+    from ...ops import row_linears, rows_gemm
 
     if rows != 1:
-        return None, [row_linears.NO_ROW_GEMV.because(
-            f"the batched step serves {rows} rows here (--max-num-seqs above 1)")]
+        why = rows_gemm.available(device)
+        return (None, [why]) if why is not None else (rows_gemm.RowsLinears(MODEL), [])
     why = row_linears.available(device)
     if why is not None:
         return None, [why]
@@ -424,6 +425,15 @@ def _fp8_of(fusion):
 
     linears = getattr(fusion, "gemv", None)
     return linears if isinstance(linears, Fp8Linears) else None
+
+
+def _batch_linears_of(fusion):
+    """What the batched step's linear layers read: the fused step's FP8 copies or its 16-row
+    bf16 GEMM (``rowgemv`` with rows above 1), else None (the modules' own GEMMs)."""
+    from ...ops.rows_gemm import RowsLinears
+
+    linears = getattr(fusion, "gemv", None)
+    return linears if isinstance(linears, RowsLinears) else _fp8_of(fusion)
 
 
 def _wrap_loop(wiring: Wiring, original, think: bool):

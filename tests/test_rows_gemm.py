@@ -1,0 +1,138 @@
+"""The batched step's 16-row bf16 GEMM (``ops/rows_gemm.py``, ``..._SENSENOVA_STEP=rowgemv``
+with ``--max-num-seqs`` above 1, issue #42) on CPU: the kernel's arithmetic under Triton's
+interpreter (block and split edges, each row as if alone), ``RowsLinears`` on the real vllm
+linear layers of a tiny SenseNova-U1, the shape rule, and the wiring. Its speed against cuBLAS
+is the probe's (``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
+``tests/test_sensenova_batch_gpu.py``'s."""
+
+from test_fp8 import _run_interpreted
+from vllm_omni_graphdecode.hooks.sensenova_u1 import wiring
+from vllm_omni_graphdecode.ops import rows_gemm
+
+KERNEL_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode.ops import rows_gemm as rg
+
+g = torch.Generator().manual_seed(3)
+# N and K off the block sizes, K split unevenly, and one split with no K left.
+for n, k, cfg in [(96, 80, rg.Config(32, 32, 1)), (70, 100, rg.Config(32, 32, 2)),
+                  (64, 256, rg.Config(64, 64, 4)), (40, 48, rg.Config(32, 32, 4))]:
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(16, k, generator=g).bfloat16()
+    got = rg.rows_gemm(x, w, cfg)
+    assert got.shape == (16, n) and got.dtype == torch.bfloat16
+    want = x.float() @ w.float().T
+    err = (got.float() - want).abs().max().item()
+    # fp32 sums in another order, one bf16 rounding
+    assert err <= 2 * 2.0 ** -7 * want.abs().max().item() + 1e-3, (n, k, cfg, err)
+    for m in (1, 5, 15):  # each row as if alone: the first m rows of the 16-row call
+        assert torch.equal(rg.rows_gemm(x[:m], w, cfg), got[:m]), (n, k, cfg, m)
+# The bias, added to the fp32 sum before the one rounding, unsplit and split.
+for cfg in (rg.Config(32, 32, 1), rg.Config(32, 32, 2)):
+    w = (torch.randn(70, 100, generator=g) * 0.05).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16()
+    x = torch.randn(16, 100, generator=g).bfloat16()
+    got = rg.rows_gemm(x, w, cfg, bias=b)
+    want = x.float() @ w.float().T + b.float()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2 * 2.0 ** -7 * want.abs().max().item() + 1e-3, (cfg, err)
+    assert not torch.equal(got, rg.rows_gemm(x, w, cfg))
+    assert torch.equal(rg.rows_gemm(x[:3], w, cfg, bias=b), got[:3]), cfg
+try:
+    rg.rows_gemm(torch.zeros(17, 32).bfloat16(), torch.zeros(32, 32).bfloat16(),
+                 rg.Config(32, 32, 1))
+except ValueError as exc:
+    assert "17 rows" in str(exc)
+else:
+    raise AssertionError("17 rows were accepted")
+print("ok")
+"""
+
+
+def test_row_gemm_under_the_interpreter_rounds_once_and_keeps_rows_apart():
+    _run_interpreted(KERNEL_INTERPRETED)
+
+
+LAYERS_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode.core import stats
+from vllm_omni_graphdecode.ops import rows_gemm
+from vllm_omni_graphdecode.testing import sensenova as st, common
+
+lm = st.build_lm(dtype=torch.bfloat16)
+layer = lm.model.layers[0]
+attn, mlp = layer.self_attn, layer.mlp
+linears = rows_gemm.RowsLinears("sensenova_u1")
+g = torch.Generator().manual_seed(1)
+
+def bound(want):
+    # fp32 sums in another order and one bf16 rounding each: within two bf16 steps of the
+    # largest output (the interpreter truncates where the GPU rounds to nearest).
+    return 2 * 2.0 ** -7 * float(want.float().abs().max()) + 1e-3
+
+stats.reset()
+with torch.inference_mode():
+    for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        # The batched step's shape: its 16 rows as one sequence.
+        x = torch.randn(1, 16, module.weight.shape[1], generator=g).bfloat16()
+        want = module(x)[0]
+        got = linears(module, x)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16, type(module).__name__
+        err = float((got.float() - want.float()).abs().max())
+        assert err <= bound(want), (type(module).__name__, err)
+        # A row's output does not depend on the others.
+        assert torch.equal(linears(module, x[:, 2:3]), got[:, 2:3]), type(module).__name__
+    assert linears.mlp_tail(mlp.down_proj, None, None) is None and not linears.has_head
+    assert not stats.snapshot()["degraded"]
+
+    # More rows than the tile holds: the module itself, counted.
+    x = torch.randn(1, 17, attn.o_proj.weight.shape[1], generator=g).bfloat16()
+    assert torch.equal(linears(attn.o_proj, x), attn.o_proj(x)[0])
+    degraded = stats.snapshot()["degraded"]
+    assert degraded == {"sensenova_u1: layer kept on cuBLAS": 1}, degraded
+
+    # A LoRA wrapper with an active adapter is called as itself, counted; inactive, its base
+    # layer's GEMM runs.
+    stats.reset()
+    wrappers = st.add_lora_wrappers(lm)
+    o = lm.model.layers[0].self_attn.o_proj
+    x = torch.randn(1, 16, o.base_layer.weight.shape[1], generator=g).bfloat16()
+    assert torch.equal(linears(o, x), linears(o.base_layer, x))
+    assert not stats.snapshot()["degraded"]
+    common.bind_adapter(wrappers)
+    assert torch.equal(linears(o, x), o(x)[0])
+    degraded = stats.snapshot()["degraded"]
+    assert any("layer kept on cuBLAS" in key for key in degraded), degraded
+print("ok")
+"""
+
+
+def test_rows_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
+    """``RowsLinears`` on a tiny SenseNova-U1's own vllm layers under the interpreter: 16 rows
+    within two bf16 steps of each module's output, a row alike alone and among 16; more than 16
+    rows and a LoRA wrapper with an active adapter run the module itself, counted."""
+    _run_interpreted(LAYERS_INTERPRETED)
+
+
+def test_block_sizes_come_from_the_shape_and_reproduce_the_h100_sweeps_picks():
+    """``benchmarks/results/h100-2026-12-06`` ``c/rows-gemm/rows-gemm.json``'s ``configs`` at the
+    released shape: qkv and gate_up unsplit, o_proj in two K splits, down in four."""
+    picks = {(6144, 4096): 1, (4096, 4096): 2, (24576, 4096): 1, (4096, 12288): 4}
+    for (n, k), split in picks.items():
+        assert rows_gemm.config_for(n, k) == rows_gemm.Config(64, 128, split, 4, 4), (n, k)
+    assert rows_gemm.config_for(64, 64).split_k == 2  # a tiny layer: one block, split in two
+
+
+def test_rowgemv_beside_the_batched_step_reads_the_row_gemm_and_is_refused_off_cuda():
+    linears, why = wiring.row_gemv_linears("cuda", 16)
+    assert isinstance(linears, rows_gemm.RowsLinears) and why == []
+    linears, (why,) = wiring.row_gemv_linears("cpu", 4)
+    assert linears is None and rows_gemm.NO_ROWS_GEMM.same(why)
+    assert "device is cpu" in why.describe()
+
+    class Fusion:
+        gemv = rows_gemm.RowsLinears("sensenova_u1")
+
+    assert wiring._batch_linears_of(Fusion) is Fusion.gemv
+    Fusion.gemv = None
+    assert wiring._batch_linears_of(Fusion) is None

@@ -1,0 +1,213 @@
+"""The batched decode step's linear layers through the plugin's bf16 GEMM for up to 16 rows
+(issue #42): ``RowsLinears``, what a hook's batched step calls in place of the modules' cuBLAS
+GEMMs (``gemv.Gemv``'s interface, as ``row_linears.RowLinears`` for one row).
+
+Why a kernel of our own (HAND-WRITTEN, Triton): the batched step (up to 16 requests a token,
+always padded to 16 rows so that a row rounds alike in any batch) reads every weight once for all
+its rows, so it is bound by the weights' bytes, and cuBLAS reads them short of that. Measured on
+an H100 80GB (``benchmarks/probes/rows_gemm.py --quick``, ``benchmarks/results/h100-2026-12-06``
+``c/``): the step's 168 GEMMs as one graph took 6.38 ms through cuBLAS at 16 rows and 6.04 ms
+through this kernel (1.057x; 1.048x at 8 rows), against a 5.38 ms copy floor; per layer qkv
+21.2 -> 20.1 us, o_proj 16.7 -> 15.3, gate_up 73.0 -> 69.9, down 40.1 -> 38.4. The H200 has not
+run it.
+
+The kernel swaps the GEMM's operands: each program computes ``W[n0:n0+64] @ X.T``, the weight's
+rows on the tensor-core tile's long side and the 16 padded rows on its short one, streaming its
+weight rows 128 of K at a time; with ``split_k`` above 1 the programs of one weight block write
+fp32 partial sums that a second launch adds in split order. Block sizes come from the weight's
+shape (``config_for``), none picked by timing, so every process rounds alike.
+
+Rounding: one fp32 sum per output in a fixed order (per split, then the splits in order), the
+bias added in fp32, one bf16 rounding. A row's sum never reads another row, so each row of a
+16-row call equals the same row computed alone (checked on the H100 for every shape, and under
+Triton's interpreter on CPU). It differs from cuBLAS in the sum order only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..core import stats
+from ..core.reasons import Reason
+from ..graphs.compiling import triton_kernel
+from . import gemv
+
+TILE_ROWS = 16  # rows of the tile: 1-16 rows, absent ones read as zeros
+
+ROWS_LAYER_KEPT = Reason("layer kept on cuBLAS",
+                         "nothing to change for LoRA: an adapter's layer runs its own kernel. "
+                         "The batched step's row GEMM reads unquantised, unsharded bf16 vllm "
+                         "linear layers without active LoRA adapters or hooks, at most "
+                         f"{TILE_ROWS} rows (the detail names the layer)")
+NO_ROWS_GEMM = Reason("bf16 row GEMM unavailable",
+                      "a CUDA GPU with Triton; meanwhile the batched step's linear layers run "
+                      "the modules' cuBLAS GEMMs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_n: int  # weight rows a program owns (the tile's M)
+    block_k: int  # K a loop step reads
+    split_k: int  # programs sharing one weight row's K (fp32 partials, added in order)
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def config_for(n: int, k: int) -> Config:
+    """The block sizes of an ``n`` x ``k`` weight, from its shape alone. The rule reproduces the
+    H100 sweep's picks at the released shape (``benchmarks/results/h100-2026-12-06`` ``c/``):
+    no split where the weight gives 96 or more 64-row blocks (qkv 6,144 rows, gate_up 24,576),
+    else two K splits, four where K is 8,192 or more (o_proj 2, down 4)."""
+    if -(-n // 64) >= 96:
+        return Config(64, 128, 1)
+    return Config(64, 128, 4 if k >= 8192 else 2)
+
+
+def available(device) -> Reason | None:
+    """Why the row GEMM cannot run on ``device``, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NO_ROWS_GEMM.because(f"device is {device}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return NO_ROWS_GEMM.because(f"triton not importable ({exc})")
+    return None
+
+
+def _define(triton, tl):
+    @triton.jit
+    def rows_gemm(x_ptr, w_ptr, b_ptr, part_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                  stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                  SPLIT_K: tl.constexpr, BIAS: tl.constexpr, WIDEN: tl.constexpr):
+        # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
+        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. One split adds the
+        # bias in fp32 and writes out[m, n] in x's dtype itself (no second launch).
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, ROWS)
+        offs_k = tl.arange(0, BLOCK_K)
+        per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+        k0 = split * per_split
+        w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for start in range(0, per_split, BLOCK_K):
+            k = k0 + start + offs_k
+            k_mask = k < K
+            w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            xt = tl.load(x_ptrs, mask=(offs_m[None, :] < M) & k_mask[:, None], other=0.0)
+            if WIDEN:  # Triton's interpreter multiplies bf16 tiles wrongly (3.7.1)
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc += tl.dot(w, xt)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if SPLIT_K == 1:
+            if BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty),
+                     mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+        else:
+            out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
+            tl.store(out, acc, mask=offs_n[:, None] < N)
+
+    @triton.jit
+    def add_splits(part_ptr, b_ptr, out_ptr, M, N, stride_om, ROWS: tl.constexpr,
+                   SPLIT_K: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ... + bias[n]), in that order.
+        m = tl.program_id(1)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        total = tl.load(part_ptr + m * N + offs, mask=mask, other=0.0)
+        for s in range(1, SPLIT_K):
+            total += tl.load(part_ptr + s * ROWS * N + m * N + offs, mask=mask, other=0.0)
+        if BIAS:
+            total += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rows_gemm, add_splits
+
+
+_kernels = triton_kernel(_define)
+
+
+def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
+              part: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N]
+    in x's dtype, each row as if alone; ``bias`` [N] added to the fp32 sum before the one
+    rounding. ``part``: a [split_k, 16, N] fp32 workspace to reuse (split_k above 1)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > TILE_ROWS:
+        raise ValueError(f"{m} rows: the tile holds {TILE_ROWS}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if part is None and cfg.split_k > 1:
+        part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device=x.device)
+    gemm, add = _kernels()
+    b = out if bias is None else bias  # never read without BIAS
+    gemm[(-(-n // cfg.block_n), cfg.split_k)](
+        x, weight, b, out if part is None else part, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k, BIAS=bias is not None,
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if cfg.split_k == 1:
+        return out
+    block = 1024
+    add[(-(-n // block), m)](part, b, out, m, n, out.stride(0), ROWS=TILE_ROWS,
+                             SPLIT_K=cfg.split_k, BIAS=bias is not None, BLOCK=block)
+    return out
+
+
+class RowsLinears:
+    """``linears(module, x)``: ``module``'s output for ``x`` (up to 16 rows) through the row GEMM
+    on the module's own bf16 weight (and bias), or through the module where it is not a plain
+    vllm linear layer or ``x`` has more rows (counted under ``ROWS_LAYER_KEPT``; inside a graph
+    decided once, at capture). The MLP runs as its layers (no fused tail), the logits through
+    the model's own head. ``model``: the stats key."""
+
+    has_head = False
+    nbytes = 0
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def _base(self, module, rows: int):
+        base = gemv.base_of_inactive_lora(module)
+        if (gemv.Gemv.plain(base) and rows <= TILE_ROWS
+                and base.weight.dtype in (torch.bfloat16, torch.float16)):
+            return base
+        stats.degraded(self.model, ROWS_LAYER_KEPT.because(
+            f"{type(module).__name__} (LoRA adapter active, quantised, hooked, not bf16, or "
+            f"{rows} rows)"))
+        return None
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        base = self._base(module, rows)
+        if base is None:
+            return module(x)[0]
+        weight = base.weight
+        out = rows_gemm(x.reshape(rows, x.shape[-1]), weight, config_for(*weight.shape),
+                        bias=base.bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def mlp_tail(self, module, gate_up, residual):
+        """None: the caller runs the activation, the down projection (through ``__call__``) and
+        the residual add."""
+        return None
+
+    def release(self) -> None:
+        """Nothing to drop: the GEMM reads the modules' own weights."""
+
+    def describe(self) -> str:
+        return f"bf16 row GEMMs ({TILE_ROWS}-row tile, block sizes from the shape)"
