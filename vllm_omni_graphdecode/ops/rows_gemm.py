@@ -67,15 +67,12 @@ def config_for(n: int, k: int) -> Config:
 
 
 def available(device) -> Reason | None:
-    """Why the row GEMM cannot run on ``device``, or None."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return NO_ROWS_GEMM.because(f"device is {device}")
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return NO_ROWS_GEMM.because(f"triton not importable ({exc})")
-    return None
+    """Why the row GEMM cannot run on ``device`` (what the one-row GEMV needs too: CUDA and
+    Triton), or None."""
+    from .row_linears import available as one_row
+
+    why = one_row(device)
+    return None if why is None else NO_ROWS_GEMM.because(why.detail)
 
 
 def _define(triton, tl):
