@@ -21,7 +21,10 @@ Cases (rows of ``sensenova-batch.json``):
   ``_b16`` (the batched path with 1 and 16 rows). ``--profile-rows 8,16``: those row counts'
   steps also run once under torch.profiler (``sensenova_batch_step_profile_b{N}`` rows; the
   whole report, kernels by category and the linear layers by position, in
-  ``profile-batch-b{N}.json``).
+  ``profile-batch-b{N}.json``). ``--step-mode rowgemv``: the batched step's linear layers
+  through the plugin's 16-row GEMM (``ops/rows_gemm.py``), names ending in ``_rowgemv``; the
+  batch-1 side stays the cuBLAS fused step, so a run with it and one without, on one machine,
+  compare through ``ours_ms``.
 - ``sensenova_batch_text_n{N}`` (``text``): N text answers, ``--text-prompt``-token prompts,
   ``--text-tokens`` tokens each (end tokens can never win: their lm_head rows are zero).
 - ``sensenova_batch_think_t2i_{size}_n{N}`` (``think``): N think text-to-image requests (1,024 think
@@ -261,7 +264,8 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
         ms = timed[n] = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
         rows_out.append(common.case(
-            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else ""),
+            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else "")
+            + ("_rowgemv" if args.step_mode == "rowgemv" else ""),
             batch1, ms, None,
             eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch"
                        + (", FP8 weights" if args.fp8 != "off" else "") + "), ms/token",
@@ -567,6 +571,10 @@ def main(argv=None) -> int:
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_FP8 (alone: sensenova_decode, "
                          "the decode on FP8 weight copies; on or naming sensenova_denoise: the "
                          "fast denoising with W8A8 GEMMs too): case names end in _fp8")
+    ap.add_argument("--step-mode", choices=("fused", "rowgemv"), default="fused",
+                    help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP (rowgemv: the "
+                         "batched step's linear layers through the plugin's 16-row GEMM): "
+                         "step case names end in _rowgemv")
     ap.add_argument("--denoise", choices=("graph", "fast"), default=None,
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (default: "
                          "fast when --fp8 asks for its W8A8 GEMMs, else graph, the exact "
@@ -680,7 +688,8 @@ def main(argv=None) -> int:
     cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
                             "off" if args.lm_only else _denoise_mode(args.fp8, args.denoise),
-                        "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8})
+                        "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8,
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": args.step_mode})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
         od_config=SimpleNamespace(max_num_seqs=rows)))
