@@ -42,8 +42,9 @@ from .fp8 import gemv as row_gemv
 
 ROW_LAYER_KEPT = Reason("layer kept on cuBLAS",
                         "nothing to change for LoRA: an adapter's layer runs its own kernel. The "
-                        "one-row GEMV reads unquantised, unsharded vllm linear layers without "
-                        "active LoRA adapters or hooks (the detail names the layer)")
+                        "one-row GEMV, and the batched step's row GEMM (at most 16 rows), read "
+                        "unquantised, unsharded vllm linear layers without active LoRA adapters "
+                        "or hooks (the detail names the layer)")
 ROW_HEAD_KEPT = Reason("lm_head kept on cuBLAS",
                        "the row GEMV reads an unquantised, unsharded bf16 lm_head whose logits "
                        "processor only projects (no scale, soft cap or other head dtype) and a "

@@ -34,14 +34,10 @@ from ..core import stats
 from ..core.reasons import Reason
 from ..graphs.compiling import triton_kernel
 from . import gemv
+from .row_linears import ROW_LAYER_KEPT, available as _one_row_available
 
 TILE_ROWS = 16  # rows of the tile: 1-16 rows, absent ones read as zeros
 
-ROWS_LAYER_KEPT = Reason("layer kept on cuBLAS",
-                         "nothing to change for LoRA: an adapter's layer runs its own kernel. "
-                         "The batched step's row GEMM reads unquantised, unsharded bf16 vllm "
-                         "linear layers without active LoRA adapters or hooks, at most "
-                         f"{TILE_ROWS} rows (the detail names the layer)")
 NO_ROWS_GEMM = Reason("bf16 row GEMM unavailable",
                       "a CUDA GPU with Triton; meanwhile the batched step's linear layers run "
                       "the modules' cuBLAS GEMMs")
@@ -69,9 +65,7 @@ def config_for(n: int, k: int) -> Config:
 def available(device) -> Reason | None:
     """Why the row GEMM cannot run on ``device`` (what the one-row GEMV needs too: CUDA and
     Triton), or None."""
-    from .row_linears import available as one_row
-
-    why = one_row(device)
+    why = _one_row_available(device)
     return None if why is None else NO_ROWS_GEMM.because(why.detail)
 
 
@@ -168,7 +162,7 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
 class RowsLinears:
     """``linears(module, x)``: ``module``'s output for ``x`` (up to 16 rows) through the row GEMM
     on the module's own bf16 weight (and bias), or through the module where it is not a plain
-    vllm linear layer or ``x`` has more rows (counted under ``ROWS_LAYER_KEPT``; inside a graph
+    vllm linear layer or ``x`` has more rows (counted under ``row_linears.ROW_LAYER_KEPT``; inside a graph
     decided once, at capture). The MLP runs as its layers (no fused tail), the logits through
     the model's own head. ``model``: the stats key."""
 
@@ -183,7 +177,7 @@ class RowsLinears:
         if (gemv.Gemv.plain(base) and rows <= TILE_ROWS
                 and base.weight.dtype in (torch.bfloat16, torch.float16)):
             return base
-        stats.degraded(self.model, ROWS_LAYER_KEPT.because(
+        stats.degraded(self.model, ROW_LAYER_KEPT.because(
             f"{type(module).__name__} (LoRA adapter active, quantised, hooked, not bf16, or "
             f"{rows} rows)"))
         return None
