@@ -181,7 +181,16 @@ def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_i
     for module in lm.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+            try:
+                method.process_weights_after_loading(module)
+            except AttributeError as exc:
+                # vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu) on a CPU with AMX packs a small
+                # bf16 weight through vllm._C's convert_weight_packed, which vLLM's CUDA wheel
+                # lacks; the layer then computes as vLLM does where no packed kernel exists.
+                if "convert_weight_packed" not in str(exc):
+                    raise
+                module.cpu_linear = (lambda x, weight, bias:
+                                     torch.nn.functional.linear(x, weight, bias))
     return lm.eval()
 
 
