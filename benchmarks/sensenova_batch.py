@@ -264,8 +264,7 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
         ms = timed[n] = together(n)
         log(f"step: batched path, {n} rows: {ms:.3f} ms a step ({ms / n:.3f} ms a token)")
         rows_out.append(common.case(
-            f"sensenova_batch_decode_step_b{n}" + ("_fp8" if args.fp8 != "off" else "")
-            + ("_rowgemv" if args.step_mode == "rowgemv" else ""),
+            f"sensenova_batch_decode_step_b{n}" + _step_suffix(args),
             batch1, ms, None,
             eager_side="the plugin's batch-1 path (FA3, fused step, 8 tokens a launch"
                        + (", FP8 weights" if args.fp8 != "off" else "") + "), ms/token",
@@ -277,8 +276,11 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
         if n not in timed:
             continue
         try:
+            # Weight bytes at one a weight only where the step reads FP8 copies (the 16-row
+            # GEMM of ``--step-mode rowgemv`` reads the bf16 weights themselves).
+            fp8 = type(wiring.batch.linears).__name__ == "Fp8Linears"
             profile_batched_step(lambda n=n: together(n), n, timed[n], lm, args, rows_out,
-                                 fp8=wiring.batch.linears is not None)
+                                 fp8=fp8)
         except Exception as exc:  # the timings above stand; the next profile still runs
             import traceback
 
@@ -292,8 +294,9 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
     """Where the batched step's time goes: ``run()`` (``--step-tokens`` steps of ``n`` rows) once
     under torch.profiler, the kernels seen inside the graph replays by category, the linear
     layers by position (``profile_step.report``); the whole report in
-    ``profile-batch-b{n}[-fp8].json``, a summary row ``sensenova_batch_step_profile_b{n}``.
-    ``ops/fp8``: the step's linear layers read FP8 copies (their bytes counted at one a weight).
+    ``profile-batch-b{n}[-fp8][-rowgemv].json``, a summary row
+    ``sensenova_batch_step_profile_b{n}`` with the step rows' suffix (``_step_suffix``).
+    ``fp8``: the step's linear layers read FP8 copies (their bytes counted at one a weight).
     The profiled run includes the rows joining and leaving (their K/V copied into the pool and
     out), spread over its steps: a few copy kernels a step more than decoding alone."""
     import profile_step
@@ -310,13 +313,13 @@ def profile_batched_step(run, n: int, ms: float, lm, args, rows_out: list, *, fp
         rep["kernels_from"] = "graph replay was opaque to the profiler (no kernels inside)"
     else:
         rep["kernels_from"] = "graph replay (kernels seen inside the graph)"
-    suffix = "-fp8" if fp8 else ""
+    suffix = _step_suffix(args).replace("_", "-")
     with open(os.path.join(args.out, f"profile-batch-b{n}{suffix}.json"), "w") as f:
         json.dump(rep, f, indent=2)
     by_cat = {c: v["ms_per_step"] for c, v in rep["by_category"].items() if v["ms_per_step"]}
     log(f"step profile, {n} rows: wall {ms:.3f} ms, kernels {rep['gpu_kernel_ms_per_step']} ms "
         f"({rep['kernels_per_step']} a step), by category {by_cat}")
-    rows_out.append({"case": f"sensenova_batch_step_profile_b{n}" + ("_fp8" if fp8 else ""),
+    rows_out.append({"case": f"sensenova_batch_step_profile_b{n}" + _step_suffix(args),
                      "wall_ms_per_step": rep["wall_ms_per_step"],
                      "gpu_kernel_ms_per_step": rep["gpu_kernel_ms_per_step"],
                      "gpu_busy_ms_per_step": rep["gpu_busy_ms_per_step"],
@@ -512,6 +515,13 @@ def _denoise_mode(fp8: str, asked: str | None = None) -> str:
     if asked:
         return asked
     return "fast" if fp8 in ("on", "1", "all") or "sensenova_denoise" in fp8 else "graph"
+
+
+def _step_suffix(args) -> str:
+    """What the step case's row and profile names add: ``_fp8`` (FP8 copies), ``_rowgemv``
+    (``--step-mode rowgemv``), both in that order."""
+    return (("_fp8" if args.fp8 != "off" else "")
+            + ("_rowgemv" if args.step_mode == "rowgemv" else ""))
 
 
 def _suffix(args) -> str:

@@ -98,8 +98,13 @@ def test_profile_rows_takes_the_step_cases_row_counts_and_names_what_it_accepts(
     assert "--step-tokens 100: accepted: a multiple" in capsys.readouterr().err
 
 
-def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_path):
-    """On CPU the profiler sees no device kernels: the report is written, and says so."""
+@pytest.mark.parametrize("fp8, step_mode, suffix", [("off", "fused", ""),
+                                                    ("off", "rowgemv", "_rowgemv"),
+                                                    ("on", "fused", "_fp8")])
+def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_path, fp8,
+                                                                         step_mode, suffix):
+    """On CPU the profiler sees no device kernels: the report is written, and says so; its
+    names carry the step rows' suffix (a ``--step-mode rowgemv`` profile was once named _fp8)."""
     from types import SimpleNamespace
 
     import torch
@@ -118,17 +123,19 @@ def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_pat
         calls.append(1)
 
     rows = []
-    args = SimpleNamespace(step_tokens=4, context=64, out=str(tmp_path))
+    args = SimpleNamespace(step_tokens=4, context=64, out=str(tmp_path), fp8=fp8,
+                           step_mode=step_mode)
     sb.profile_batched_step(run, 8, 2.5, lm, args, rows, fp8=False, device_type="cpu")
     assert calls == [1]
-    with open(tmp_path / "profile-batch-b8.json") as f:
+    name = "profile-batch-b8" + suffix.replace("_", "-") + ".json"
+    with open(tmp_path / name) as f:
         rep = json.load(f)
     assert rep["rows"] == 8 and rep["context"] == 64 and rep["steps"] == 4
     assert rep["wall_ms_per_step"] == 2.5
     assert rep["kernels_from"].startswith("the profiler saw no device activity")
     (row,) = rows
-    assert row["case"] == "sensenova_batch_step_profile_b8"
-    assert row["file"] == "profile-batch-b8.json" and row["kernels_per_step"] == 0
+    assert row["case"] == "sensenova_batch_step_profile_b8" + suffix
+    assert row["file"] == name and row["kernels_per_step"] == 0
 
 
 @pytest.mark.parametrize("mix, name, kinds", [
