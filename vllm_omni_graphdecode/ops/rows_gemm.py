@@ -8,8 +8,9 @@ its rows, so it is bound by the weights' bytes, and cuBLAS reads them short of t
 an H100 80GB (``benchmarks/probes/rows_gemm.py --quick``, ``benchmarks/results/h100-2026-12-06``
 ``c/``): the step's 168 GEMMs as one graph took 6.38 ms through cuBLAS at 16 rows and 6.04 ms
 through this kernel (1.057x; 1.048x at 8 rows), against a 5.38 ms copy floor; per layer qkv
-21.2 -> 20.1 us, o_proj 16.7 -> 15.3, gate_up 73.0 -> 69.9, down 40.1 -> 38.4. The H200 has not
-run it.
+21.2 -> 20.1 us, o_proj 16.7 -> 15.3, gate_up 73.0 -> 69.9, down 40.1 -> 38.4; the whole batched
+step 2-4% faster at 1-16 rows (9.35 against 9.56 ms at 8, ``benchmarks/results/h100-2026-12-06b``).
+The H200 has not run it.
 
 The kernel swaps the GEMM's operands: each program computes ``W[n0:n0+64] @ X.T``, the weight's
 rows on the tensor-core tile's long side and the 16 padded rows on its short one, streaming its
