@@ -258,19 +258,27 @@ def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_
     assert set(runs[0]) == {"1-0", "1-1", "4-0", "4-1"}
 
 
-def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoint):  # noqa: F811
-    pipe = _pipeline(checkpoint, rows=4)
+@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoint,  # noqa: F811
+                                                                       env):
+    """``rowgemv``: the adapter's layers are handed back to the modules (counted under
+    ``layer kept on cuBLAS``) while it is bound, and read by the row GEMM again after."""
+    stats.reset()
+    pipe = _pipeline(checkpoint, cfg=_cfg(**env), rows=4)
     requests = [_request(0, "a red cube on a table", text=120),
                 _request(1, "two cats and a dog", text=80)]
     base = [_answer(o) for o in pipe.forward(_batch(requests))]
     wrappers = rm.add_lora_wrappers(pipe.language_model)
     common.bind_adapter(wrappers)
     adapted = [_answer(o) for o in pipe.forward(_batch(requests))]
+    kept = sum(n for k, n in stats.degraded_paths(MODEL).items() if "kept on cuBLAS" in k)
     common.unbind_adapter(wrappers)
     again = [_answer(o) for o in pipe.forward(_batch(requests))]
     assert adapted != base, "the adapter changed nothing: the test would prove nothing"
     assert again == base
     assert stats.get(MODEL, "batch_lora_forward") == 2
+    if env:
+        assert kept > 0, stats.degraded_paths(MODEL)
 
 
 def test_gpu_device_memory_is_flat_from_batch_5_to_20(checkpoint):  # noqa: F811
