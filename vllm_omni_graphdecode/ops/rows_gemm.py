@@ -263,8 +263,8 @@ class RowsLinears:
         """``residual + down(silu(gate) * up)`` of ``x``: the gate-up GEMM, its adding launch
         ending in the SiLU-and-multiply (``rows_gemm``'s ``swiglu``), and the down GEMM with
         the residual added in its last launch (four launches at the released shape, three
-        where down is not split). None where either layer is not plain or the shapes do not pair (the caller runs
-        the layers one by one, counting a kept layer there)."""
+        where down is not split). None where either layer is not plain or the shapes do not
+        pair (the caller runs the layers one by one, counting a kept layer there)."""
         rows = x.numel() // x.shape[-1]
         up = self._readable(gate_up_module, rows)
         down = self._readable(down_module, rows)
