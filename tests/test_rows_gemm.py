@@ -1,7 +1,8 @@
 """The batched step's 16-row bf16 GEMM (``ops/rows_gemm.py``, ``..._SENSENOVA_STEP=rowgemv``
 with ``--max-num-seqs`` above 1, issue #42) on CPU: the kernel's arithmetic under Triton's
 interpreter (block and split edges, each row as if alone), ``RowsLinears`` on the real vllm
-linear layers of a tiny SenseNova-U1, the shape rule, and the wiring. Its speed against cuBLAS
+linear layers of a tiny SenseNova-U1, the shape rule, the wiring, and every launch variant
+compiled for sm_90 with no GPU. Its speed against cuBLAS
 is the probe's (``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
 ``tests/test_sensenova_batch_gpu.py``'s."""
 
@@ -197,3 +198,39 @@ def test_rowgemv_beside_the_batched_step_reads_the_row_gemm_and_is_refused_off_c
     assert wiring._batch_linears_of(Fusion) is Fusion.gemv
     Fusion.gemv = None
     assert wiring._batch_linears_of(Fusion) is None
+
+
+def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
+    """Every launch variant the batched step uses, compiled by Triton down to an sm_90 cubin
+    with no GPU (Triton's own ptxas): a kernel the interpreter runs but the compiler refuses
+    would otherwise fail only at a GPU's first batched launch."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as exc:
+        pytest.skip(f"this Triton has no ahead-of-time compile API ({exc})")
+    gemm, add = rows_gemm._kernels()
+    target = GPUTarget("cuda", 90, 32)
+    ints = {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm",
+                                      "stride_om")}
+    for partial, res in ((False, False), (False, True), (True, False)):
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16",
+               "part_ptr": "*fp32", "out_ptr": "*bf16", **ints}
+        const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": 2 if partial else 1,
+                 "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res}
+        sig.update({name: "constexpr" for name in const})
+        compiled = triton.compile(ASTSource(gemm, sig, const), target=target,
+                                  options={"num_warps": 4, "num_stages": 4})
+        assert compiled.asm["cubin"], (partial, res)
+    for swiglu, res, split in ((False, False, 4), (False, True, 4), (True, False, 1)):
+        sig = {"part_ptr": "*fp32", "b_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+               **{name: ints[name] for name in ("M", "N", "stride_rm", "stride_om")}}
+        const = {"ROWS": 16, "SPLIT_K": split, "BIAS": True, "BLOCK": 1024, "SWIGLU": swiglu,
+                 "RES": res}
+        sig.update({name: "constexpr" for name in const})
+        compiled = triton.compile(ASTSource(add, sig, const), target=target,
+                                  options={"num_warps": 4})
+        assert compiled.asm["cubin"], (swiglu, res, split)
