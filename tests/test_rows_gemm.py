@@ -2,8 +2,8 @@
 with ``--max-num-seqs`` above 1, issue #42) on CPU: the kernel's arithmetic under Triton's
 interpreter (block and split edges, each row as if alone), ``RowsLinears`` on the real vllm
 linear layers of a tiny SenseNova-U1, the shape rule, the wiring, and every launch variant
-compiled for sm_90 with no GPU. Its speed against cuBLAS
-is the probe's (``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
+compiled for sm_90 with no GPU. Its speed against cuBLAS is the probe's
+(``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
 ``tests/test_sensenova_batch_gpu.py``'s."""
 
 from test_fp8 import _run_interpreted
