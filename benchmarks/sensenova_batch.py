@@ -208,6 +208,7 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
     from vllm_omni_graphdecode.decode.batch import turns
     from vllm_omni_graphdecode.hooks import sensenova_u1
     from vllm_omni_graphdecode.ops import attention
+    from vllm_omni_graphdecode.ops.fp8.linears import Fp8Linears
     from vllm_omni_graphdecode.testing import sensenova as rm
 
     lm = pipe.language_model
@@ -278,9 +279,8 @@ def bench_step(pipe, args, rows_out: list, env: dict, write=lambda: None) -> Non
         try:
             # Weight bytes at one a weight only where the step reads FP8 copies (the 16-row
             # GEMM of ``--step-mode rowgemv`` reads the bf16 weights themselves).
-            fp8 = type(wiring.batch.linears).__name__ == "Fp8Linears"
             profile_batched_step(lambda n=n: together(n), n, timed[n], lm, args, rows_out,
-                                 fp8=fp8)
+                                 fp8=isinstance(wiring.batch.linears, Fp8Linears))
         except Exception as exc:  # the timings above stand; the next profile still runs
             import traceback
 

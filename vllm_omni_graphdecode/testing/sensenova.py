@@ -189,8 +189,7 @@ def build_lm(config=None, *, device="cpu", dtype=torch.float32, seed=0, banned_i
                 # lacks; the layer then computes as vLLM does where no packed kernel exists.
                 if "convert_weight_packed" not in str(exc):
                     raise
-                module.cpu_linear = (lambda x, weight, bias:
-                                     torch.nn.functional.linear(x, weight, bias))
+                module.cpu_linear = torch.nn.functional.linear
     return lm.eval()
 
 
