@@ -2,7 +2,8 @@
 with ``--max-num-seqs`` above 1, issue #42) on CPU: the kernel's arithmetic under Triton's
 interpreter (block and split edges, each row as if alone), ``RowsLinears`` on the real vllm
 linear layers of a tiny SenseNova-U1, the shape rule, the wiring, and every launch variant
-compiled for sm_90 with no GPU. Its speed against cuBLAS is the probe's (``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
+compiled for sm_90 with no GPU. Its speed against cuBLAS is the probe's
+(``benchmarks/probes/rows_gemm.py``); the batched step it serves on the GPU is
 ``tests/test_sensenova_batch_gpu.py``'s."""
 
 from test_fp8 import _run_interpreted
@@ -38,6 +39,45 @@ for cfg in (rg.Config(32, 32, 1), rg.Config(32, 32, 2)):
     assert err <= 2 * 2.0 ** -7 * want.abs().max().item() + 1e-3, (cfg, err)
     assert not torch.equal(got, rg.rows_gemm(x, w, cfg))
     assert torch.equal(rg.rows_gemm(x[:3], w, cfg, bias=b), got[:3]), cfg
+# The residual: the rounded product plus the residual, as two bf16 tensors add, in the same
+# launches (the GEMM's store unsplit, the adding launch split).
+for cfg in (rg.Config(32, 32, 1), rg.Config(32, 32, 2)):
+    w = (torch.randn(70, 100, generator=g) * 0.05).bfloat16()
+    b = torch.randn(70, generator=g).bfloat16()
+    x = torch.randn(16, 100, generator=g).bfloat16()
+    r = torch.randn(16, 70, generator=g).bfloat16()
+    got = rg.rows_gemm(x, w, cfg, bias=b, residual=r)
+    want = rg.rows_gemm(x, w, cfg, bias=b) + r
+    # one rounding of the sum apart at most (the interpreter truncates where torch rounds)
+    err = ((got.float() - want.float()).abs() - 2.0 ** -7 * want.float().abs()).max().item()
+    assert err <= 1e-6, (cfg, err)
+    assert not torch.equal(got, rg.rows_gemm(x, w, cfg, bias=b)), cfg
+    assert torch.equal(rg.rows_gemm(x[:2], w, cfg, bias=b, residual=r[:2]), got[:2]), cfg
+# SwiGLU: a [gate; up] weight's rounded halves, silu(gate) rounded, times up, rounded (vLLM's
+# silu_and_mul on the rounded projection), unsplit and split, N off the block size.
+for n, cfg in ((140, rg.Config(32, 32, 1)), (96, rg.Config(32, 32, 2)),
+               (64, rg.Config(64, 64, 4))):
+    w = (torch.randn(n, 100, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(16, 100, generator=g).bfloat16()
+    gate, up = rg.rows_gemm(x, w, cfg, bias=b).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    got = rg.rows_gemm(x, w, cfg, bias=b, swiglu=True)
+    assert got.shape == (16, n // 2) and got.dtype == torch.bfloat16, (n, cfg)
+    # Two roundings (the SiLU's, the product's), which the interpreter truncates where torch
+    # rounds to nearest: at most two bf16 steps of the product apart here.
+    err = ((got.float() - want.float()).abs() - 3 * 2.0 ** -7 * want.float().abs()).max().item()
+    assert err <= 1e-6, (n, cfg, err)
+    assert torch.equal(rg.rows_gemm(x[:5], w, cfg, bias=b, swiglu=True), got[:5]), (n, cfg)
+for bad in (dict(swiglu=True, residual=torch.zeros(16, 16).bfloat16()),
+            dict(residual=torch.zeros(16, 8).bfloat16())):
+    try:
+        rg.rows_gemm(torch.zeros(16, 32).bfloat16(), torch.zeros(32, 32).bfloat16(),
+                     rg.Config(32, 32, 1), **bad)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(f"accepted {sorted(bad)}")
 try:
     rg.rows_gemm(torch.zeros(17, 32).bfloat16(), torch.zeros(32, 32).bfloat16(),
                  rg.Config(32, 32, 1))
@@ -83,6 +123,18 @@ with torch.inference_mode():
         # A row's output does not depend on the others.
         assert torch.equal(linears(module, x[:, 2:3]), got[:, 2:3]), type(module).__name__
     assert linears.mlp_tail(mlp.down_proj, None, None) is None and not linears.has_head
+    # The fused MLP: residual + down(silu(gate) * up), against the modules.
+    x = torch.randn(1, 16, mlp.gate_up_proj.weight.shape[1], generator=g).bfloat16()
+    residual = torch.randn(1, 16, mlp.down_proj.weight.shape[0], generator=g).bfloat16()
+    gate, up = mlp.gate_up_proj(x)[0].chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
+    want = residual + mlp.down_proj(act)[0]
+    got = linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, x, residual)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    err = float((got.float() - want.float()).abs().max())
+    assert err <= 2 * bound(want), err
+    assert torch.equal(linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, x[:, 4:5],
+                                          residual[:, 4:5]), got[:, 4:5])
     assert not stats.snapshot()["degraded"]
 
     # More rows than the tile holds: the module itself, counted.
@@ -103,14 +155,24 @@ with torch.inference_mode():
     assert torch.equal(linears(o, x), o(x)[0])
     degraded = stats.snapshot()["degraded"]
     assert any("layer kept on cuBLAS" in key for key in degraded), degraded
+    # A hooked MLP layer: no fused MLP (the caller runs, and counts, the layers one by one).
+    m = lm.model.layers[1].mlp
+    stats.reset()
+    x = torch.randn(1, 16, m.gate_up_proj.weight.shape[1], generator=g).bfloat16()
+    r = torch.randn(1, 16, m.down_proj.weight.shape[0], generator=g).bfloat16()
+    assert linears.swiglu_mlp(m.gate_up_proj, m.down_proj, x, r) is not None
+    m.down_proj.register_forward_hook(lambda *a: None)
+    assert linears.swiglu_mlp(m.gate_up_proj, m.down_proj, x, r) is None
+    assert not stats.snapshot()["degraded"]
 print("ok")
 """
 
 
 def test_rows_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
     """``RowsLinears`` on a tiny SenseNova-U1's own vllm layers under the interpreter: 16 rows
-    within two bf16 steps of each module's output, a row alike alone and among 16; more than 16
-    rows and a LoRA wrapper with an active adapter run the module itself, counted."""
+    within two bf16 steps of each module's output, the fused MLP against its
+    modules, a row alike alone and among 16; more than 16 rows and a LoRA wrapper with an active
+    adapter run the module itself, counted (a hooked MLP layer is not fused)."""
     _run_interpreted(LAYERS_INTERPRETED)
 
 
@@ -152,22 +214,23 @@ def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
         pytest.skip(f"this Triton has no ahead-of-time compile API ({exc})")
     gemm, add = rows_gemm._kernels()
     target = GPUTarget("cuda", 90, 32)
-    for split, bias in ((1, True), (1, False), (2, True), (4, False)):
-        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16",
-               "part_ptr": "*fp32" if split > 1 else "*bf16", "out_ptr": "*bf16",
-               **{name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn",
-                                           "stride_om")}}
-        const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": split, "BIAS": bias,
-                 "WIDEN": False}
+    ints = {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm",
+                                      "stride_om")}
+    for partial, res in ((False, False), (False, True), (True, False)):
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16",
+               "part_ptr": "*fp32", "out_ptr": "*bf16", **ints}
+        const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": 2 if partial else 1,
+                 "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res}
         sig.update({name: "constexpr" for name in const})
         compiled = triton.compile(ASTSource(gemm, sig, const), target=target,
                                   options={"num_warps": 4, "num_stages": 4})
-        assert compiled.asm["cubin"], (split, bias)
-    for split, bias in ((2, True), (4, False)):
-        sig = {"part_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
-               **{name: "i32" for name in ("M", "N", "stride_om")}}
-        const = {"ROWS": 16, "SPLIT_K": split, "BIAS": bias, "BLOCK": 1024}
+        assert compiled.asm["cubin"], (partial, res)
+    for swiglu, res, split in ((False, False, 4), (False, True, 4), (True, False, 1)):
+        sig = {"part_ptr": "*fp32", "b_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
+               **{name: ints[name] for name in ("M", "N", "stride_rm", "stride_om")}}
+        const = {"ROWS": 16, "SPLIT_K": split, "BIAS": True, "BLOCK": 1024, "SWIGLU": swiglu,
+                 "RES": res}
         sig.update({name: "constexpr" for name in const})
         compiled = triton.compile(ASTSource(add, sig, const), target=target,
                                   options={"num_warps": 4})
-        assert compiled.asm["cubin"], (split, bias)
+        assert compiled.asm["cubin"], (swiglu, res, split)

@@ -18,6 +18,14 @@ weight rows 128 of K at a time; with ``split_k`` above 1 the programs of one wei
 fp32 partial sums that a second launch adds in split order. Block sizes come from the weight's
 shape (``config_for``), none picked by timing, so every process rounds alike.
 
+The MLP runs in four launches at the released shape, where it ran five
+(``RowsLinears.swiglu_mlp``): the gate-up GEMM writes its fp32 sums to the workspace and the
+adding launch ends in silu(gate) * up (in place of vLLM's ``silu_and_mul`` launch, 3.7 us a layer
+at 8 rows in the H100 profile of ``benchmarks/results/h100-2026-12-06b`` ``f/``), and the down
+GEMM's adding launch adds the residual too (in place of the model's ``+``). Written after that
+profile and not yet timed; its CPU tests run under the interpreter, its GPU tests are the
+batched step's.
+
 Rounding: one fp32 sum per output in a fixed order (per split, then the splits in order), the
 bias added in fp32, one bf16 rounding. A row's sum never reads another row, so each row of a
 16-row call equals the same row computed alone (checked on the H100 for every shape, and under
@@ -72,12 +80,14 @@ def available(device) -> Reason | None:
 
 def _define(triton, tl):
     @triton.jit
-    def rows_gemm(x_ptr, w_ptr, b_ptr, part_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                  stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                  SPLIT_K: tl.constexpr, BIAS: tl.constexpr, WIDEN: tl.constexpr):
+    def rows_gemm(x_ptr, w_ptr, b_ptr, res_ptr, part_ptr, out_ptr, M, N, K, stride_xm,
+                  stride_wn, stride_rm, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
+                  WIDEN: tl.constexpr, PARTIAL: tl.constexpr, RES: tl.constexpr):
         # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
-        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. One split adds the
-        # bias in fp32 and writes out[m, n] in x's dtype itself (no second launch).
+        # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. Without PARTIAL
+        # (one split) it adds the bias in fp32 and writes out[m, n] in x's dtype itself (no
+        # second launch), then with RES res[m, n] + out[m, n] as two tensors of x's dtype add.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,29 +110,57 @@ def _define(triton, tl):
                 acc += tl.dot(w, xt)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if SPLIT_K == 1:
-            if BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-            out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-            tl.store(out, acc.to(out_ptr.dtype.element_ty),
-                     mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
-        else:
+        if PARTIAL:
             out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
             tl.store(out, acc, mask=offs_n[:, None] < N)
+        else:
+            if BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            val = acc.to(out_ptr.dtype.element_ty)
+            mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+            if RES:
+                res = tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_n[:, None], mask=mask,
+                              other=0.0)
+                val = (res.to(tl.float32) + val.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], val, mask=mask)
 
     @triton.jit
-    def add_splits(part_ptr, b_ptr, out_ptr, M, N, stride_om, ROWS: tl.constexpr,
-                   SPLIT_K: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ... + bias[n]), in that order.
+    def add_splits(part_ptr, b_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
+                   ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
+                   BLOCK: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr):
+        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ... + bias[n]), in that order; then
+        # with RES bf16(res[m, n] + out[m, n]). With SWIGLU the parts are a [gate; up] weight's
+        # (2N wide): gate and up are summed and rounded so, and out[m, n] is
+        # silu(gate) * up rounded where vLLM's silu_and_mul rounds (the SiLU, then the product).
         m = tl.program_id(1)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
-        total = tl.load(part_ptr + m * N + offs, mask=mask, other=0.0)
+        if SWIGLU:
+            width = 2 * N
+        else:
+            width = N
+        total = tl.load(part_ptr + m * width + offs, mask=mask, other=0.0)
         for s in range(1, SPLIT_K):
-            total += tl.load(part_ptr + s * ROWS * N + m * N + offs, mask=mask, other=0.0)
+            total += tl.load(part_ptr + s * ROWS * width + m * width + offs, mask=mask,
+                             other=0.0)
         if BIAS:
             total += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        val = total.to(out_ptr.dtype.element_ty)
+        if SWIGLU:
+            up = tl.load(part_ptr + m * width + N + offs, mask=mask, other=0.0)
+            for s in range(1, SPLIT_K):
+                up += tl.load(part_ptr + s * ROWS * width + m * width + N + offs, mask=mask,
+                              other=0.0)
+            if BIAS:
+                up += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
+            gate = val.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+            up = up.to(out_ptr.dtype.element_ty)
+            val = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if RES:
+            res = tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0)
+            val = (res.to(tl.float32) + val.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_om + offs, val, mask=mask)
 
     return rows_gemm, add_splits
 
@@ -131,32 +169,50 @@ _kernels = triton_kernel(_define)
 
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
-              part: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+              part: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+              swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N]
     in x's dtype, each row as if alone; ``bias`` [N] added to the fp32 sum before the one
-    rounding. ``part``: a [split_k, 16, N] fp32 workspace to reuse (split_k above 1)."""
+    rounding. ``part``: a [split_k, 16, N] fp32 workspace to reuse.
+
+    ``residual`` [M, N]: ``residual + that``, the two rounded tensors added as the model's ``+``
+    adds them, in the same launches. ``swiglu``: ``weight`` is a [gate; up] projection (N even)
+    and the result [M, N / 2] is ``silu(gate) * up`` as vLLM's ``silu_and_mul`` computes it
+    from the rounded projection: the sums go through the fp32 workspace (one split or more) and
+    the adding launch ends in the activation, in place of a launch of its own."""
     m, k = x.shape
     n = weight.shape[0]
     if m > TILE_ROWS:
         raise ValueError(f"{m} rows: the tile holds {TILE_ROWS}")
+    if swiglu and (n % 2 or residual is not None):
+        raise ValueError(f"swiglu needs an even number of weight rows ({n}) and no residual")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if part is None and cfg.split_k > 1:
+    n_out = n // 2 if swiglu else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        if residual.shape != out.shape:
+            raise ValueError(f"residual {tuple(residual.shape)}: the output is {tuple(out.shape)}")
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    partial = cfg.split_k > 1 or swiglu
+    if part is None and partial:
         part = torch.empty(cfg.split_k, TILE_ROWS, n, dtype=torch.float32, device=x.device)
     gemm, add = _kernels()
     b = out if bias is None else bias  # never read without BIAS
+    res = out if residual is None else residual  # never read without RES
     gemm[(-(-n // cfg.block_n), cfg.split_k)](
-        x, weight, b, out if part is None else part, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
+        x, weight, b, res, out if part is None else part, out, m, n, k, x.stride(0),
+        weight.stride(0), res.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k, BIAS=bias is not None,
-        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if cfg.split_k == 1:
+        WIDEN=os.environ.get("TRITON_INTERPRET") == "1", PARTIAL=partial,
+        RES=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not partial:
         return out
     block = 1024
-    add[(-(-n // block), m)](part, b, out, m, n, out.stride(0), ROWS=TILE_ROWS,
-                             SPLIT_K=cfg.split_k, BIAS=bias is not None, BLOCK=block)
+    add[(-(-n_out // block), m)](part, b, res, out, m, n_out, res.stride(0), out.stride(0),
+                                 ROWS=TILE_ROWS, SPLIT_K=cfg.split_k, BIAS=bias is not None,
+                                 BLOCK=block, SWIGLU=swiglu, RES=residual is not None)
     return out
 
 
@@ -164,7 +220,7 @@ class RowsLinears:
     """``linears(module, x)``: ``module``'s output for ``x`` (up to 16 rows) through the row GEMM
     on the module's own bf16 weight (and bias), or through the module where it is not a plain
     vllm linear layer or ``x`` has more rows (counted under ``row_linears.ROW_LAYER_KEPT``;
-    inside a graph decided once, at capture). The MLP runs as its layers (no fused tail), the
+    inside a graph decided once, at capture). The MLP fused as ``swiglu_mlp`` says, the
     logits through the model's own head. ``model``: the stats key."""
 
     has_head = False
@@ -173,10 +229,20 @@ class RowsLinears:
     def __init__(self, model: str):
         self.model = model
 
-    def _base(self, module, rows: int):
+    @staticmethod
+    def _readable(module, rows: int):
+        """``module``'s layer the GEMM reads for ``rows`` rows (its base where a LoRA wrapper is
+        inactive), or None."""
         base = gemv.base_of_inactive_lora(module)
         if (gemv.Gemv.plain(base) and rows <= TILE_ROWS
                 and base.weight.dtype in (torch.bfloat16, torch.float16)):
+            return base
+        return None
+
+    def _base(self, module, rows: int):
+        """``_readable``, counting a layer kept on its own kernel (once per call that runs it)."""
+        base = self._readable(module, rows)
+        if base is not None:
             return base
         stats.degraded(self.model, ROW_LAYER_KEPT.because(
             f"{type(module).__name__} (LoRA adapter active, quantised, hooked, not bf16, or "
@@ -193,13 +259,32 @@ class RowsLinears:
                         bias=base.bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
+    def swiglu_mlp(self, gate_up_module, down_module, x, residual):
+        """``residual + down(silu(gate) * up)`` of ``x``: the gate-up GEMM, its adding launch
+        ending in the SiLU-and-multiply (``rows_gemm``'s ``swiglu``), and the down GEMM with
+        the residual added in its last launch (four launches at the released shape, three
+        where down is not split). None where either layer is not plain or the shapes do not
+        pair (the caller runs the layers one by one, counting a kept layer there)."""
+        rows = x.numel() // x.shape[-1]
+        up = self._readable(gate_up_module, rows)
+        down = self._readable(down_module, rows)
+        if (up is None or down is None or up.weight.shape[0] % 2
+                or down.weight.shape[1] != up.weight.shape[0] // 2
+                or residual.shape[-1] != down.weight.shape[0]):
+            return None
+        act = rows_gemm(x.reshape(rows, x.shape[-1]), up.weight, config_for(*up.weight.shape),
+                        bias=up.bias, swiglu=True)
+        out = rows_gemm(act, down.weight, config_for(*down.weight.shape), bias=down.bias,
+                        residual=residual.reshape(rows, residual.shape[-1]))
+        return out.reshape(residual.shape)
+
     def mlp_tail(self, module, gate_up, residual):
-        """None: the caller runs the activation, the down projection (through ``__call__``) and
-        the residual add."""
+        """None: ``swiglu_mlp`` serves the MLP, or the caller runs its steps."""
         return None
 
     def release(self) -> None:
         """Nothing to drop: the GEMM reads the modules' own weights."""
 
     def describe(self) -> str:
-        return f"bf16 row GEMMs ({TILE_ROWS}-row tile, block sizes from the shape)"
+        return (f"bf16 row GEMMs ({TILE_ROWS}-row tile, block sizes from the shape; "
+                f"SiLU-and-multiply and residual add in their launches)")
