@@ -239,15 +239,21 @@ def kind_summary(records: list[dict], wall_s: float) -> dict:
 def compare(records: list[dict], references: list[dict]) -> dict:
     """Each of ``records`` that ``references`` also holds (by the request's index ``i``), both
     answered, against it: ``equal`` of ``compared``; ``differ``: the request, its kind and the
-    answer parts that differ; ``not_compared``: the indices where either errored."""
+    answer parts that differ; ``not_compared``: the indices where either errored; ``blank``: the
+    text answers that are empty on both sides (not counted as compared: two empty strings are
+    equal whatever tokens were picked, as at the released vocabulary before the checkpoint's
+    tokenizer decoded every id)."""
     by_i = {r["i"]: r for r in references}
-    out = {"compared": 0, "equal": 0, "differ": [], "not_compared": []}
+    out = {"compared": 0, "equal": 0, "differ": [], "not_compared": [], "blank": []}
     for r in records:
         ref = by_i.get(r["i"])
         if ref is None:
             continue
         if "error" in r or "error" in ref:
             out["not_compared"].append(r["i"])
+            continue
+        if r["kind"] == "text" and r.get("text_chars") == 0 and ref.get("text_chars") == 0:
+            out["blank"].append(r["i"])
             continue
         out["compared"] += 1
         parts = [p for p in ANSWER_PARTS if r.get(p) != ref.get(p)]
@@ -277,11 +283,14 @@ def summarize(result: dict | None, rate: float) -> dict:
 
 
 def rebuild(record: dict) -> None:
-    """``same_as_release`` for every plugin run whose rate the release ran too, and the
-    ``summary`` rows, from whatever runs the file holds."""
+    """Each run's ``alone`` comparison again from its records, ``same_as_release`` for every
+    plugin run whose rate the release ran too, and the ``summary`` rows, from whatever runs the
+    file holds (a file written by an earlier version of ``compare`` is compared as today)."""
     runs = record["runs"]
     for side, by_rate in runs.items():
         for rate, run in by_rate.items():
+            if run.get("requests") is not None and run.get("alone") is not None:
+                run["summary"]["alone"] = compare(run["requests"], run["alone"])
             release = runs.get("release", {}).get(rate)
             if side != "release" and run.get("requests") is not None and release \
                     and release.get("requests") is not None:
@@ -310,7 +319,8 @@ def summary(record: dict) -> dict:
                 got = run["summary"].get(name)
                 if got is not None:
                     row[name] = {"equal": got["equal"], "compared": got["compared"],
-                                 "differ": [d["i"] for d in got["differ"]]}
+                                 "differ": [d["i"] for d in got["differ"]],
+                                 "blank": got.get("blank", [])}
             equality.append(row)
     return {"rows": rows, "equality": equality, "failed": failed,
             "targets": targets(record["runs"])}

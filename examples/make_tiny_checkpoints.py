@@ -53,13 +53,30 @@ QWEN_VL_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|visi
                           "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def byte_level_tokenizer(special_tokens, *, chat_template=None):
-    """A ``PreTrainedTokenizerFast`` (byte-level BPE, 256 byte tokens, then ``special_tokens``)."""
+def byte_level_tokenizer(special_tokens, *, chat_template=None, vocab_size=None):
+    """A ``PreTrainedTokenizerFast`` (byte-level BPE, 256 byte tokens, then ``special_tokens``).
+
+    ``vocab_size``: filler tokens ``<wID>`` for every id from there up to it, so that every id a
+    model of that vocabulary can pick decodes to text (a randomly drawn model at the released
+    vocabulary picks ids past the bytes almost always; without the fillers its answers decode
+    to empty strings, which every comparison of answers then finds equal). The BPE has no merges,
+    so a prompt still encodes byte by byte, the same ids with the fillers as without."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    # The special tokens' ids as ``PreTrainedTokenizerFast`` gives them without fillers (the end
+    # and pad tokens, then the others), kept inside the vocabulary, the fillers after them.
+    order = ["<|im_end|>", "<|endoftext|>"]
+    order += [t for t in special_tokens if t not in order]
+    if vocab_size is not None:
+        for token in order:
+            vocab[token] = len(vocab)
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(vocab)} ids")
+        while len(vocab) < vocab_size:
+            vocab[f"<w{len(vocab)}>"] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
@@ -248,12 +265,15 @@ def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16, cfg: d
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
-    tokenizer = byte_level_tokenizer(SENSENOVA_SPECIAL_TOKENS, chat_template=QWEN_CHAT_TEMPLATE)
-    tokenizer.save_pretrained(path)
     if cfg is None:
-        cfg = sensenova_config(_padded_vocab(len(tokenizer)), **config_overrides)
+        ids = 256 + len(set(SENSENOVA_SPECIAL_TOKENS))  # the bytes and the special tokens
+        cfg = sensenova_config(_padded_vocab(ids), **config_overrides)
     elif config_overrides:
         raise TypeError(f"cfg and config overrides together: {sorted(config_overrides)}")
+    # Every id of the model's vocabulary decodes (``byte_level_tokenizer``'s fillers).
+    tokenizer = byte_level_tokenizer(SENSENOVA_SPECIAL_TOKENS, chat_template=QWEN_CHAT_TEMPLATE,
+                                     vocab_size=cfg["llm_config"]["vocab_size"])
+    tokenizer.save_pretrained(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -295,7 +295,8 @@ def test_trace_scenario_alone_answers_equal_the_traced_ones_on_an_echo_server(tr
     result, _, _ = trace_run
     for rate in RATES:
         summary = load.summarize(result, rate)
-        assert summary["alone"] == {"compared": 3, "equal": 3, "differ": [], "not_compared": []}
+        assert summary["alone"] == {"compared": 3, "equal": 3, "differ": [], "not_compared": [],
+                                    "blank": []}
         assert summary["kinds"]["all"]["completed"] == 8
         assert summary["kinds"]["text"]["requests"] == 4
 
@@ -372,9 +373,24 @@ def test_summary_of_a_hand_written_result_gives_the_hand_computed_figures():
     assert summary["alone"] == {"compared": 3, "equal": 2,
                                 "differ": [{"i": 3, "kind": "think_image",
                                             "parts": ["image_sha256"]}],
-                                "not_compared": [2]}
+                                "not_compared": [2], "blank": []}
     assert load.summarize(_result(alone=None), 0.2)["alone"] is None
     assert load.summarize(_result(), 0.4) == {"error": "server ready"}  # no trace at 0.4
+
+
+def test_empty_text_answers_on_both_sides_are_blank_not_compared_equal():
+    """Two empty text answers say nothing about the tokens behind them: listed as blank, not
+    counted; one empty against a non-empty one differs."""
+    empty = hashlib.sha256(b"").hexdigest()
+    trace = [_rec(0, "text", 1.0, text_sha256=empty, text_chars=0),
+             _rec(1, "text", 1.0, text_sha256=empty, text_chars=0),
+             _rec(4, "image", 2.0, image_sha256="i4")]
+    alone = [_rec(0, "text", 1.0, text_sha256=empty, text_chars=0),
+             _rec(1, "text", 1.0, text_sha256="t1", text_chars=5),
+             _rec(4, "image", 2.0, image_sha256="i4")]
+    assert load.compare(trace, alone) == {
+        "compared": 2, "equal": 1, "not_compared": [], "blank": [0],
+        "differ": [{"i": 1, "kind": "text", "parts": ["text_sha256"]}]}
 
 
 def test_summary_of_a_server_that_never_served_says_why():
@@ -403,7 +419,7 @@ def test_rows_and_equality_of_every_side_and_the_plugin_sides_against_the_releas
         "sensenova_u1.batch_forward": 3}
     assert step["summary"]["same_as_release"] == {
         "compared": 5, "equal": 4, "differ": [{"i": 1, "kind": "text", "parts": ["text_sha256"]}],
-        "not_compared": [2]}
+        "not_compared": [2], "blank": []}
     assert "same_as_release" not in record["runs"]["step"]["0.05"]["summary"]  # no release there
     assert "same_as_release" not in record["runs"]["release"]["0.2"]["summary"]
     summary = record["summary"]
@@ -414,9 +430,10 @@ def test_rows_and_equality_of_every_side_and_the_plugin_sides_against_the_releas
                                   **load.summarize(_result(), 0.2)["kinds"]["all"],
                                   "wall_s": 10.0}
     assert summary["equality"][2] == {"side": "step", "rate": 0.2,
-                                      "alone": {"equal": 2, "compared": 3, "differ": [3]},
+                                      "alone": {"equal": 2, "compared": 3, "differ": [3],
+                                                "blank": []},
                                       "same_as_release": {"equal": 4, "compared": 5,
-                                                          "differ": [1]}}
+                                                          "differ": [1], "blank": []}}
     assert summary["failed"] == [{"side": "step", "rate": 0.2, "rc": 1, "error": None}]
     json.dumps(record)
 

@@ -99,6 +99,46 @@ def test_sharded_checkpoint_loads_through_vllm_omni_and_never_picks_an_end_token
     torch.testing.assert_close(pb[head][keep], pa[head][keep], rtol=0, atol=0)
 
 
+def test_every_id_of_the_released_vocabulary_decodes_and_prompts_encode_as_before():
+    """At the released vocabulary (151,936 ids) the tokenizer's fillers make an answer of random
+    ids decode to text (without them, ids past the 264 bytes and special tokens decode to
+    nothing, and every text answer at the released shape compared equal as an empty string),
+    while the special tokens keep their ids and a chat prompt encodes to the same ids."""
+    import random
+
+    bare = tiny.byte_level_tokenizer(tiny.SENSENOVA_SPECIAL_TOKENS,
+                                     chat_template=tiny.QWEN_CHAT_TEMPLATE)
+    full = tiny.byte_level_tokenizer(tiny.SENSENOVA_SPECIAL_TOKENS,
+                                     chat_template=tiny.QWEN_CHAT_TEMPLATE, vocab_size=151936)
+    assert len(bare) == 264 and len(full) == 151936
+    for token in tiny.SENSENOVA_SPECIAL_TOKENS:
+        assert full.convert_tokens_to_ids(token) == bare.convert_tokens_to_ids(token), token
+    assert (full.eos_token_id, full.pad_token_id) == (bare.eos_token_id, bare.pad_token_id)
+    prompt = [{"role": "user", "content": driver.load_prompt(2, 500) + " <w300> \u00fc\n\n"}]
+    ids = [bare.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)]
+    assert full(ids)["input_ids"] == bare(ids)["input_ids"]
+    assert max(full(ids)["input_ids"][0]) < 264  # bytes and special tokens only
+    picked = random.Random(0).sample(range(264, 151936), 64)
+    assert bare.decode(picked, skip_special_tokens=True) == ""
+    text = full.decode(picked, skip_special_tokens=True)
+    assert text == "".join(f"<w{i}>" for i in picked)
+    assert full.decode(picked[:3] + picked[:1]) != full.decode(picked[:4])  # ids tell apart
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        tiny.byte_level_tokenizer(tiny.SENSENOVA_SPECIAL_TOKENS, vocab_size=100)
+
+
+def test_the_checkpoints_tokenizer_covers_its_models_vocabulary(checkpoints):
+    from transformers import AutoTokenizer
+
+    single, sharded, _ = checkpoints
+    for path in (single, sharded):
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = json.load(f)["llm_config"]["vocab_size"]
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        assert len(tokenizer) == vocab, path
+        assert tokenizer.decode([vocab - 1]) == f"<w{vocab - 1}>"
+
+
 def test_cfg_and_overrides_together_are_refused(tmp_path):
     with pytest.raises(TypeError, match="num_layers"):
         tiny.write_sensenova_u1(str(tmp_path / "x"), cfg=tiny.sensenova_config(384), num_layers=3)
