@@ -66,12 +66,11 @@ def byte_level_tokenizer(special_tokens, *, chat_template=None, vocab_size=None)
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    # The special tokens' ids as ``PreTrainedTokenizerFast`` gives them without fillers (the end
-    # and pad tokens, then the others), kept inside the vocabulary, the fillers after them.
-    order = ["<|im_end|>", "<|endoftext|>"]
-    order += [t for t in special_tokens if t not in order]
     if vocab_size is not None:
-        for token in order:
+        # The special tokens at the ids ``PreTrainedTokenizerFast`` gives them without fillers
+        # (the end and pad tokens, then the others), the fillers after them.
+        ends = [t for t in ("<|im_end|>", "<|endoftext|>") if t in special_tokens]
+        for token in ends + [t for t in special_tokens if t not in ends]:
             vocab[token] = len(vocab)
         if vocab_size < len(vocab):
             raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(vocab)} ids")
