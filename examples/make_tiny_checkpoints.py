@@ -64,27 +64,29 @@ def byte_level_tokenizer(special_tokens, *, chat_template=None, vocab_size=None)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    def build(vocab):
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk.decoder = decoders.ByteLevel()
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            additional_special_tokens=[t for t in special_tokens
+                                       if t not in ("<|im_end|>", "<|endoftext|>")],
+        )
+        fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+        return fast
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    fast = build(vocab)
     if vocab_size is not None:
-        # The special tokens at the ids ``PreTrainedTokenizerFast`` gives them without fillers
-        # (the end and pad tokens, then the others), the fillers after them.
-        ends = [t for t in ("<|im_end|>", "<|endoftext|>") if t in special_tokens]
-        for token in ends + [t for t in special_tokens if t not in ends]:
-            vocab[token] = len(vocab)
-        if vocab_size < len(vocab):
-            raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(vocab)} ids")
+        if vocab_size < len(fast):
+            raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {len(fast)} ids")
+        # The special tokens keep the ids they have without fillers; the fillers follow them.
+        vocab.update({t: fast.convert_tokens_to_ids(t) for t in special_tokens})
         while len(vocab) < vocab_size:
             vocab[f"<w{len(vocab)}>"] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tk.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=[t for t in special_tokens
-                                   if t not in ("<|im_end|>", "<|endoftext|>")],
-    )
-    fast.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+        fast = build(vocab)
     if chat_template is not None:
         fast.chat_template = chat_template
     return fast
@@ -265,7 +267,7 @@ def write_sensenova_u1(path: str, *, seed: int = 0, dtype=torch.bfloat16, cfg: d
 
     os.makedirs(path, exist_ok=True)
     if cfg is None:
-        ids = 256 + len(set(SENSENOVA_SPECIAL_TOKENS))  # the bytes and the special tokens
+        ids = len(byte_level_tokenizer(SENSENOVA_SPECIAL_TOKENS))  # bytes and special tokens
         cfg = sensenova_config(_padded_vocab(ids), **config_overrides)
     elif config_overrides:
         raise TypeError(f"cfg and config overrides together: {sorted(config_overrides)}")
