@@ -2,7 +2,8 @@
 before them, a bad command line is refused saying what is accepted, each step runs under its limit
 and is killed whole at it, what a step left running in a session of its own is killed after it
 (and nothing else), everything comes back as two files in $OUT, a step the call has no time left
-for is skipped and listed, and FA2's warm-up starts once per machine for the 0.30 stack."""
+for is skipped and listed, and FA2's warm-up starts once per machine for the 0.30 stack (again
+after it failed)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -139,8 +141,18 @@ def test_fa2_warms_once_per_machine_for_the_0_30_stack(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "FA2 warm-up started (0.30" in _summary(tmp_path, "a")
     assert (tmp_path / "runs" / "fa2-host.started").exists()
+    done = tmp_path / "runs" / "fa2-host.done"
+    for _ in range(600):  # the warm-up ends fast here (no vLLM): wait, then say how it ended
+        if done.exists():
+            break
+        time.sleep(0.1)
+    done.write_text("0\n")  # it finished
     second = _call(tmp_path, "--name", "b", "--stack", "0.30", "cmd 60 two true", env=env)
     assert second.returncode == 0, second.stderr
     assert "FA2 warm-up started" not in _summary(tmp_path, "b")
+    done.write_text("1\n")  # it failed, as it does while a bundle is still to come: again
+    third = _call(tmp_path, "--name", "b2", "--stack", "0.30", "cmd 60 two true", env=env)
+    assert third.returncode == 0, third.stderr
+    assert "FA2 warm-up started (0.30" in _summary(tmp_path, "b2")
     _call(tmp_path, "--name", "c", "cmd 60 three true", env=NO_SETUP)  # 0.26: no FA2 at all
     assert "FA2" not in _summary(tmp_path, "c")

@@ -12,7 +12,8 @@ two folders deep. This runner fits a session's steps into that, in order:
    already there, parts of an archive still waiting for a later folder are stashed), with the
    serving wheels and the plugin's entry-point metadata;
 2. once a step needs the 0.30 stack, vLLM's FA2 is warmed (``scripts/gpu/warm_fa2.py``), once per
-   machine and torch, in a session of its own so that it outlives the call, and the step waits for
+   machine and torch (again at the next call where it failed, as it does while a bundle folder is
+   still to come), in a session of its own so that it outlives the call, and the step waits for
    it: FA2's first call compiles its PTX for about two minutes, and a test that pays that inside
    its own limit looks hung;
 3. each STEP runs under its own limit, cut to what is left of the call (``--call-s``, default 570
@@ -73,6 +74,15 @@ MARKER = "GRAPHDECODE_RUN_ID"
 
 class Refused(ValueError):
     """A command line this runner does not accept; the message says what is accepted."""
+
+
+def _read(path: str) -> str:
+    """A marker file's text, stripped; "" where there is none."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 class Step:
@@ -216,6 +226,9 @@ class Run:
         if env is None:
             return
         base = os.path.join(os.path.dirname(self.root), f"fa2-{torch}")  # once per machine
+        if _read(base + ".done") not in ("", "0"):  # failed (a bundle was still missing): again
+            for end in (".started", ".done"):
+                os.remove(base + end)
         if not os.path.exists(base + ".started"):
             open(base + ".started", "w").close()
             warm = os.path.join(HERE, "scripts", "gpu", "warm_fa2.py")
