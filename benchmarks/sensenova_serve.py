@@ -268,8 +268,11 @@ def main(argv=None) -> int:
         env["release_from"] = {"file": args.release_from,
                                "commands": earlier["environment"].get("commands")}
     write()
+    # Each side's own machine: the sides of one file may run in separate calls, on other torches.
+    machine = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")} | {
+        "versions": env["versions"]}
     for side in sides:
-        record["sides"][side] = run_side(side, args, checkpoint)
+        record["sides"][side] = run_side(side, args, checkpoint) | {"machine": machine}
         write()
     print(json.dumps(record["cases"], indent=2))
     return 0 if all(record["sides"][s]["rc"] == 0 for s in sides) else 1

@@ -286,6 +286,26 @@ def test_a_run_without_sides_writes_the_checkpoint_and_an_empty_record(tmp_path)
     assert len(again["environment"]["commands"]) == 2
 
 
+def test_each_side_records_the_versions_it_ran_on(tmp_path, monkeypatch):
+    """The sides of one file may run in separate calls (the release on another torch): each
+    side keeps the versions and GPU of its own run, not only the file's last."""
+    monkeypatch.setattr(serve, "run_driver", lambda cmd, env, out, label: (0, 1.0, None))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--sides", "step", "--tiny", "--device", "cpu", "--n", "2",
+            "--checkpoint", str(tmp_path / "ckpt")]
+    assert serve.main(argv) == 0
+    record = json.loads((out / "sensenova-serve.json").read_text())
+    machine = record["sides"]["step"]["machine"]
+    assert machine["versions"] == record["environment"]["versions"]
+    assert machine["versions"]["torch"] and set(machine) == {"gpu", "memory_mib", "driver",
+                                                             "versions"}
+    record["environment"]["versions"] = {"torch": "another"}  # a later call on another stack
+    (out / "sensenova-serve.json").write_text(json.dumps(record))
+    assert serve.main(argv[:3] + ["", *argv[4:]]) == 0
+    again = json.loads((out / "sensenova-serve.json").read_text())
+    assert again["sides"]["step"]["machine"] == machine
+
+
 def test_release_side_from_an_earlier_file_is_recorded_as_such(tmp_path):
     """``--release-from FILE --sides ''``: the rows take FILE's release side, and say so."""
     earlier = tmp_path / "earlier.json"
