@@ -30,7 +30,7 @@ from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import batch as batch_mod
 from vllm_omni_graphdecode.hooks.sensenova_u1 import rules as hook_rules
 from vllm_omni_graphdecode.hooks.sensenova_u1 import step as step_mod
-from vllm_omni_graphdecode.testing import sensenova as rm
+from vllm_omni_graphdecode.testing import sensenova as rm, common
 
 from test_sensenova_batch import _answer, _batch, _request  # noqa: F401 (request builders)
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
@@ -42,10 +42,11 @@ OOM_KEY = f"{MODEL}: {reasons.OOM}"
 
 
 def _cfg(**env):
-    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
-                         "VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,512,1024,2048",
-                         "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256", **env})
+    return config.parse(common.with_suite_overrides({
+        "VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
+        "VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,512,1024,2048",
+        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256", **env}))
 
 
 def _pipeline(checkpoint, rows=8, **env):  # noqa: F811

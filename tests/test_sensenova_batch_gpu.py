@@ -52,10 +52,10 @@ BOUND = 0.03  # of the largest eager logit: the fused step's bound
 
 
 def _cfg(**env):
-    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                         "VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,512,1024,2048",
-                         "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256,512,1024,2048",
-                         **env})
+    return config.parse(common.with_suite_overrides({
+        "VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+        "VLLM_OMNI_GRAPHDECODE_BUCKETS": "256,512,1024,2048",
+        "VLLM_OMNI_GRAPHDECODE_PRECAPTURE_BUCKETS": "256,512,1024,2048", **env}))
 
 
 def _pipeline(checkpoint, cfg=None, rows=8, **install):  # noqa: F811
@@ -95,6 +95,8 @@ def _prefilled(pipe, ids):
 
 
 ROWGEMV = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
+# Named, not left to the default: a run under GRAPHDECODE_TEST_SENSENOVA_STEP keeps it on cuBLAS.
+CUBLAS = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fused"}
 
 
 def test_gpu_rowgemv_batch_reads_the_row_gemm_and_answers_as_alone(checkpoint):  # noqa: F811
@@ -119,7 +121,7 @@ def test_gpu_rowgemv_batch_reads_the_row_gemm_and_answers_as_alone(checkpoint): 
                    for k in stats.degraded_paths(MODEL)), stats.degraded_paths(MODEL)
 
 
-@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+@pytest.mark.parametrize("env", [CUBLAS, ROWGEMV], ids=["cublas", "rowgemv"])
 def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint, env):  # noqa: F811
     """Three rows decoding 80 tokens together, one token per launch: each step's logits of a
     row against the pipeline's own eager step fed the same token over its ``DynamicCache``
@@ -169,7 +171,7 @@ def test_gpu_batched_logits_match_the_pipelines_eager_step(checkpoint, env):  # 
     assert parted <= 2
 
 
-@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+@pytest.mark.parametrize("env", [CUBLAS, ROWGEMV], ids=["cublas", "rowgemv"])
 def test_gpu_a_captured_launch_equals_the_same_launch_run_eagerly(checkpoint, env):  # noqa: F811
     pipes = [_pipeline(checkpoint, cfg=_cfg(**env), rows=4, graphs=g) for g in (True, False)]
     prompts = [rm.prompt_ids(pipes[0].tokenizer, n, seed=n, device="cuda") for n in (20, 37, 9)]
@@ -202,13 +204,13 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
     from vllm_omni_graphdecode import config
     from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
-    from vllm_omni_graphdecode.testing import sensenova as rm
+    from vllm_omni_graphdecode.testing import sensenova as rm, common
     from test_sensenova_batch import _answer, _batch, _request
     answers = {{}}
     for rows in (1, 4):
-        cfg = config.parse({{"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                            "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
-                            **json.loads(sys.argv[1])}})
+        cfg = config.parse(common.with_suite_overrides({{
+            "VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+            "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover", **json.loads(sys.argv[1])}}))
         pipe = rm.load_sensenova_pipeline({ckpt!r}, device="cuda", dtype=torch.bfloat16)
         hook.install(pipe, cfg, None, rows=rows)
         requests = [_request(0, "a red cube on a table", text=300),
@@ -258,7 +260,7 @@ def test_gpu_the_same_requests_answer_the_same_in_two_processes(checkpoint, tmp_
     assert set(runs[0]) == {"1-0", "1-1", "4-0", "4-1"}
 
 
-@pytest.mark.parametrize("env", [{}, ROWGEMV], ids=["cublas", "rowgemv"])
+@pytest.mark.parametrize("env", [CUBLAS, ROWGEMV], ids=["cublas", "rowgemv"])
 def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoint,  # noqa: F811
                                                                        env):
     """``rowgemv``: the adapter's layers are handed back to the modules (counted under

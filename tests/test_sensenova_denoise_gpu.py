@@ -19,7 +19,7 @@ from vllm_omni_graphdecode.core import reasons, stats
 from vllm_omni_graphdecode.graphs import capture as cuda_graphs
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise, wiring
-from vllm_omni_graphdecode.testing import sensenova as rm
+from vllm_omni_graphdecode.testing import sensenova as rm, common
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 
@@ -34,8 +34,9 @@ REQUESTS = {
 
 
 def _cfg(**env):
-    return config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph", **env})
+    return config.parse(common.with_suite_overrides({
+        "VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph", **env}))
 
 
 def _pipeline(checkpoint, cfg=None):

@@ -48,7 +48,7 @@ def _cfg(buckets="64,128,256", precapture="64", k=1, **env):
               "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
               "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)}
     values.update(env)
-    return config.parse(values)
+    return config.parse(common.with_suite_overrides(values))
 
 
 def _build_lm(tok):
@@ -332,6 +332,10 @@ def test_gpu_fused_step_matches_the_models_own_step(gpu, tuned):
     assert worst < 3e-2
 
 
+# Named, not left to the default: a run under GRAPHDECODE_TEST_SENSENOVA_STEP keeps it on cuBLAS.
+CUBLAS = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fused"}
+
+
 def test_gpu_rowgemv_graph_replay_equals_its_eager_step_and_differs_from_cublas(gpu):
     """``..._SENSENOVA_STEP=rowgemv``: the one-request think loop replayed from graphs equals the
     same step run eagerly, token for token; its linear layers and ``lm_head`` are the row GEMV
@@ -349,7 +353,7 @@ def test_gpu_rowgemv_graph_replay_equals_its_eager_step_and_differs_from_cublas(
     graphed = _think(pipe, gpu.ids, steps)
     assert stats.get(MODEL, "replay") >= 300
     eager = _think(_pipe(gpu, cfg=_cfg(**mode), graphs=False), gpu.ids, steps)
-    cublas = _think(_pipe(gpu, graphs=False), gpu.ids, steps)
+    cublas = _think(_pipe(gpu, cfg=_cfg(**CUBLAS), graphs=False), gpu.ids, steps)
     assert graphed.tokens == eager.tokens and graphed.text == eager.text
     assert all(torch.equal(a, b) for a, b in zip(graphed.logits, eager.logits))
     assert not all(torch.equal(a, b) for a, b in zip(eager.logits, cublas.logits)), \
@@ -391,7 +395,7 @@ def test_gpu_rowgemv_runs_an_active_adapters_layers_as_themselves_then_its_base_
     lm = _build_lm(gpu.tok)  # own copy: the wrappers stay in its tree
     graphed = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV))
     eager = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV), graphs=False)
-    cublas = _pipe(gpu, lm=lm, graphs=False)
+    cublas = _pipe(gpu, lm=lm, cfg=_cfg(**CUBLAS), graphs=False)
     steps = 200
     stats.reset()
     base = _think(graphed, gpu.ids, steps)
@@ -418,7 +422,7 @@ def test_gpu_rowgemv_leaves_a_replaced_lm_head_to_the_model_and_counts_it(gpu):
     lm = _build_lm(gpu.tok)
     graphed = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV))
     eager = _pipe(gpu, lm=lm, cfg=_cfg(**ROWGEMV), graphs=False)  # took the old head too
-    cublas = _pipe(gpu, lm=lm, graphs=False)
+    cublas = _pipe(gpu, lm=lm, cfg=_cfg(**CUBLAS), graphs=False)
     fusion = _state(graphed).fusion
     assert fusion.linear_head is fusion.gemv and fusion.gemv.has_head
     steps = 200

@@ -28,7 +28,7 @@ from vllm_omni_graphdecode.hooks import qwen_image_21 as qwen
 from vllm_omni_graphdecode.hooks import sensenova_u1 as hook
 from vllm_omni_graphdecode.hooks.sensenova_u1 import denoise
 from vllm_omni_graphdecode.ops.fp8 import marlin
-from vllm_omni_graphdecode.testing import sensenova as rm
+from vllm_omni_graphdecode.testing import sensenova as rm, common
 
 from test_sensenova_denoise import checkpoint  # noqa: F401 - the tiny checkpoint fixture
 from test_sensenova_gpu import _cfg as _decode_cfg
@@ -204,8 +204,9 @@ def test_gpu_decode_a_hook_on_one_projection_after_capture_runs_the_request_eage
 def test_gpu_denoise_a_pipeline_to_round_trip_between_requests_recaptures_bit_for_bit(
         checkpoint):  # noqa: F811
     pipe = rm.load_sensenova_pipeline(checkpoint, device="cuda", dtype=torch.bfloat16)
-    hook.install(pipe, config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
-                                     "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"}), None)
+    hook.install(pipe, config.parse(common.with_suite_overrides({
+        "VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE": "graph"})), None)
     request = rm.image_request(num_steps=3)
     first, first_steps = rm.generate_image(pipe, request)[:2]
     assert stats.get(IMAGE, "capture") == 2

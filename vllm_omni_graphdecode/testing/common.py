@@ -1,11 +1,22 @@
 """Test scaffolding no one model owns: vllm-omni's version, LoRA adapters bound into vllm-omni's
-LoRA wrappers, and a lock that says when someone blocks on it."""
+LoRA wrappers, a lock that says when someone blocks on it, and the settings a whole GPU run puts
+under every test's own."""
 
 from __future__ import annotations
 
+import os
 import threading
+from typing import Mapping
 
 import torch
+
+from .. import config
+
+# Test-only, not a product setting: the GPU tests build their configuration from dicts, so the
+# product's own variable in the environment changes nothing there. This one runs every test that
+# leaves SenseNova-U1's decode step to the default in the named mode (e.g. rowgemv), to see
+# whether that mode may become the default.
+SUITE_STEP_VAR = "GRAPHDECODE_TEST_SENSENOVA_STEP"
 
 
 def omni_version() -> str:
@@ -59,3 +70,21 @@ class ObservedLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def suite_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The settings a whole GPU run puts under every test's own: ``{}`` unless
+    ``GRAPHDECODE_TEST_SENSENOVA_STEP`` is set, then the decode step it names. A value the
+    product setting refuses raises ``config.ConfigError`` (a ValueError) naming it and what is
+    accepted."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(SUITE_STEP_VAR, "").strip()
+    if not raw:
+        return {}
+    step = next(s for s in config.SETTINGS if s.var == config.SENSENOVA_STEP_VAR)
+    return {config.SENSENOVA_STEP_VAR: step.parse(SUITE_STEP_VAR, raw)}
+
+
+def with_suite_overrides(values: Mapping[str, str]) -> dict[str, str]:
+    """``values`` over ``suite_overrides()``: a test that names its own step mode keeps it."""
+    return {**suite_overrides(), **values}
