@@ -151,8 +151,11 @@ def test_fa2_warms_once_per_machine_for_the_0_30_stack(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "FA2 warm-up started" not in _summary(tmp_path, "b")
     done.write_text("1\n")  # it failed, as it does while a bundle is still to come: again
-    third = _call(tmp_path, "--name", "b2", "--stack", "0.30", "cmd 60 two true", env=env)
+    wait = f"while [ ! -e {done} ]; do sleep 0.2; done"  # the first step outlasts the warm-up,
+    third = _call(tmp_path, "--name", "b2", "--stack", "0.30",  # which fails again here
+                  f"cmd 60 two bash -c '{wait}'", "cmd 60 three true", env=env)
     assert third.returncode == 0, third.stderr
     assert "FA2 warm-up started (0.30" in _summary(tmp_path, "b2")
+    assert _summary(tmp_path, "b2").count("FA2 warm-up started") == 1  # once a call, not a step
     _call(tmp_path, "--name", "c", "cmd 60 three true", env=NO_SETUP)  # 0.26: no FA2 at all
     assert "FA2" not in _summary(tmp_path, "c")

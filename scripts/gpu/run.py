@@ -226,11 +226,12 @@ class Run:
         if env is None:
             return
         base = os.path.join(os.path.dirname(self.root), f"fa2-{torch}")  # once per machine
-        if _read(base + ".done") not in ("", "0"):  # failed (a bundle was still missing): again
-            for end in (".started", ".done"):
-                os.remove(base + end)
+        if _read(base + ".done") not in ("", "0") and _read(base + ".started") != self.marker:
+            for end in (".started", ".done"):  # failed in an earlier call (a bundle was still
+                os.remove(base + end)          # missing): once again in this one
         if not os.path.exists(base + ".started"):
-            open(base + ".started", "w").close()
+            with open(base + ".started", "w") as f:
+                f.write(self.marker)
             warm = os.path.join(HERE, "scripts", "gpu", "warm_fa2.py")
             script = (f"{shlex.quote(sys.executable)} {shlex.quote(warm)} >{base}.log 2>&1; "
                       f"echo $? >{base}.done")
