@@ -10,6 +10,7 @@ The claims, each a test below:
 * sleep level 2 while requests are in flight changes no answer, and the next requests capture
   again;
 * an aborted request leaves its row at the next step, the others unchanged;
+* a request for two images joins a running batch and gets both, from one prefill;
 * no room for a row's K/V: rows wait (or are handed back, finishing on the eager step on the
   device), the answers are the ones with room;
 * device memory is flat over 200 requests served step by step.
@@ -116,6 +117,31 @@ def test_gpu_an_aborted_request_leaves_its_row_and_the_others_are_untouched(serv
     assert requests[1].request_id not in outputs
     kept = [requests[0], requests[2]]
     assert {r.request_id: _answer(outputs[r.request_id]) for r in kept} == _alone(srv, kept)
+
+
+def test_gpu_a_request_for_two_images_joins_and_gets_both_from_one_prefill(server):
+    """``num_outputs_per_prompt`` 2 (OpenAI ``n``), joining while a think request and a text
+    answer decode: two different images from one prefill (counted), and every answer as alone."""
+    import numpy as np
+
+    srv = server()
+    think = _request(20, "a think image of a lighthouse", think=True)
+    text = _request(21, "a text answer beside them", text=90)
+    two = _request(22, "two images of a tree")
+    two.sampling_params.num_outputs_per_prompt = 2
+    srv.add(think)
+    srv.add(text)
+    for _ in range(2):
+        srv.tick()
+    stats.reset()
+    srv.add(two)
+    outputs = srv.run()
+    assert stats.get(MODEL, "n_images_request") == 1 and stats.get(MODEL, "n_images") == 2
+    images = outputs[two.request_id].output["payload"]["image"]
+    assert isinstance(images, list) and len(images) == 2
+    assert not np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
+    assert stats.fallbacks(MODEL) == {}
+    assert _answers(outputs) == _alone(srv, [think, text, two])
 
 
 @pytest.mark.parametrize("room", ["rows-wait", "handed-back"])
