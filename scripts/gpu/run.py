@@ -54,6 +54,7 @@ wait), GRAPHDECODE_REAP=0 (leave what a step started running). Exits 0 when ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -228,7 +229,8 @@ class Run:
         base = os.path.join(os.path.dirname(self.root), f"fa2-{torch}")  # once per machine
         if _read(base + ".done") not in ("", "0") and _read(base + ".started") != self.marker:
             for end in (".started", ".done"):  # failed in an earlier call (a bundle was still
-                os.remove(base + end)          # missing): once again in this one
+                with contextlib.suppress(FileNotFoundError):  # missing): once again in this one
+                    os.remove(base + end)
         if not os.path.exists(base + ".started"):
             with open(base + ".started", "w") as f:
                 f.write(self.marker)
