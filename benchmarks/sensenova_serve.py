@@ -3,7 +3,7 @@ sent at once with the ``openai`` client, the release one at a time against the p
 (issue #22: "one run over HTTP at N = 8 on the real shape").
 
     python3 benchmarks/sensenova_serve.py --out DIR [--sides release,plugin,step] [--n 8]
-                                          [--checkpoint DIR] [--tiny]
+                                          [--checkpoint DIR] [--tiny] [--plugin-env VAR=VALUE]
 
 ``sensenova_batch.py`` calls ``forward`` as vLLM-Omni's runner does; this starts the server
 (``tests/e2e_serve.py --scenario sensenova_load``, one server per side, one after the other on
@@ -24,6 +24,10 @@ the image's PNG round trip and when requests happen to arrive.
 - ``step`` (only when named): ``VLLM_OMNI_GRAPHDECODE=1``, ``--step-execution --max-num-seqs
   16`` (N, if larger): the plugin's continuous batching (issue #41), the N requests joining the
   running batch as they arrive; its rows are named ``..._step`` and compared with the release.
+
+``--plugin-env VAR=VALUE`` (repeated) gives the plugin's servers a setting, e.g. the batched
+step's ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv``; each row names them (``plugin_env``). With
+``--release-from`` and another ``--out``, one release run serves as the baseline of several.
 
 Each server first answers one warm-up request of each kind (untimed: first-call compiles and
 captures), then N text answers at once (``--text-prompt-chars``-byte prompts, ``--text-tokens``
@@ -61,6 +65,8 @@ SILENT = ("<|im_end|>", "</think>")  # the think loop's and the answer's stops
 SHARD_BYTES = 4 << 30
 MODEL_ARGS = ["--model-class-name", "SenseNovaU1Pipeline"]
 STEP_MAX_NUM_SEQS = 16
+# Set by this benchmark for each side; --plugin-env may not name them.
+PLUGIN_ENV_FIXED = ("VLLM_OMNI_GRAPHDECODE_STATS_FILE",)
 
 
 def step_args(requests: int = 0) -> tuple[str, ...]:
@@ -109,6 +115,7 @@ def run_side(side: str, args, checkpoint: str) -> dict:
     env["VLLM_OMNI_GRAPHDECODE"] = "0" if side == "release" else "1"
     if side != "release":
         env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
+        env.update(plugin_env(getattr(args, "plugin_env", None)))
     if side == "plugin":
         serve_args += ["--max-num-seqs", str(args.n)]
         if args.batch_wait_ms:
@@ -125,6 +132,20 @@ def run_side(side: str, args, checkpoint: str) -> dict:
     return {"rc": rc, "seconds": took, "env": {k: v for k, v in env.items()
                                                if k.startswith("VLLM_OMNI_GRAPHDECODE")},
             "serve_args": serve_args, "result": result}
+
+
+def plugin_env(pairs: list[str] | None) -> dict[str, str]:
+    """``--plugin-env VAR=VALUE`` (repeated): the plugin's settings for its servers, e.g. the
+    decode step ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv``; the release never takes them.
+    Anything but ``VLLM_OMNI_GRAPHDECODE_*=VALUE`` is refused, naming it."""
+    out = {}
+    for pair in pairs or []:
+        var, sep, value = pair.partition("=")
+        if not sep or not var.startswith("VLLM_OMNI_GRAPHDECODE_") or var in PLUGIN_ENV_FIXED:
+            raise ValueError(f"--plugin-env {pair!r}: expected VLLM_OMNI_GRAPHDECODE_NAME=VALUE, "
+                             f"NAME not one this benchmark sets ({', '.join(PLUGIN_ENV_FIXED)})")
+        out[var] = value
+    return out
 
 
 def run_driver(cmd: list[str], env: dict, out: str, label: str) -> tuple[int, float, dict | None]:
@@ -195,6 +216,8 @@ def rows(sides: dict, args) -> list[dict]:
                     row[f"{name}_p50_ms"], row[f"{name}_p99_ms"] = lat["p50"], lat["p99"]
                     row[f"{name}_errors"] = sum("error" in a for a in entry["answers"])
             row["plugin_serve_args"] = (sides.get(side) or {}).get("serve_args")
+            row["plugin_env"] = {k: v for k, v in ((sides.get(side) or {}).get("env") or {}).items()
+                                 if k not in ("VLLM_OMNI_GRAPHDECODE", *PLUGIN_ENV_FIXED)}
             plugin_counters = counters(sides.get(side))
             row["plugin_counters_whole_run"] = {k: v for k, v in plugin_counters.items()
                                                 if k.rsplit(".", 1)[-1] in kept}
@@ -221,6 +244,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-wait-ms", type=float, default=0.0,
                     help="the plugin's server: --request-batch-max-wait-ms (vLLM-Omni's own "
                          "admission wait for compatible requests before a forward; 0: not set)")
+    ap.add_argument("--plugin-env", action="append", default=[], metavar="VAR=VALUE",
+                    help="a plugin setting for the plugin's servers, e.g. "
+                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv (repeat for more)")
     ap.add_argument("--release-from", default=None,
                     help="a sensenova-serve.json whose release side stands for this run's "
                          "(recorded as release_from) instead of running it here")
@@ -233,6 +259,10 @@ def main(argv=None) -> int:
         ap.error(f"--sides {args.sides}: unknown {unknown}; accepted: {', '.join(SIDES)}")
     if args.tiny and args.size % 16:
         ap.error(f"--size {args.size}: the tiny model needs a multiple of 16")
+    try:
+        plugin_env(args.plugin_env)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     checkpoint = args.checkpoint or os.path.join(os.path.dirname(os.path.abspath(args.out)),
                                                  "sensenova-u1-serve-checkpoint")

@@ -257,7 +257,42 @@ def test_step_side_starts_the_server_with_step_execution(tmp_path, monkeypatch):
     assert "--serve-arg=--step-execution" in seen["cmd"]
 
 
+def test_plugin_env_reaches_the_plugins_servers_only_and_is_named_in_the_rows(tmp_path,
+                                                                              monkeypatch):
+    """``--plugin-env VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv``: the step server starts with
+    it, the release's without any plugin setting, and the rows name it."""
+    seen = {}
+
+    def fake_driver(cmd, env, out, label):
+        seen[label] = env
+        return 0, 1.0, None
+
+    monkeypatch.setattr(serve, "run_driver", fake_driver)
+    monkeypatch.setenv("VLLM_OMNI_GRAPHDECODE_FP8", "all")  # the caller's own: never passed on
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--sides", "release,step", "--tiny", "--device", "cpu", "--n", "2",
+            "--checkpoint", str(tmp_path / "ckpt"),
+            "--plugin-env", "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv"]
+    assert serve.main(argv) == 0
+    assert seen["step"]["VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"] == "rowgemv"
+    assert "VLLM_OMNI_GRAPHDECODE_FP8" not in seen["step"]
+    assert seen["release"]["VLLM_OMNI_GRAPHDECODE"] == "0"
+    assert not any(k.startswith("VLLM_OMNI_GRAPHDECODE_") for k in seen["release"])
+    record = json.loads((out / "sensenova-serve.json").read_text())
+    assert record["sides"]["step"]["env"]["VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP"] == "rowgemv"
+    assert serve.rows(record["sides"], serve.argparse.Namespace(n=2, size=1024)) == []  # no result
+    side = _side(10.0, 40.0, [5.0, 10.0], [20.0, 40.0])
+    rows = serve.rows({"release": side, "step": {**side, "env": record["sides"]["step"]["env"]}},
+                      serve.argparse.Namespace(n=2, size=1024))
+    assert rows and all(r["plugin_env"] == {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}
+                        for r in rows if r["case"].endswith("_step"))
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--plugin-env", "SENSENOVA_STEP=rowgemv"],
+     "--plugin-env 'SENSENOVA_STEP=rowgemv': expected VLLM_OMNI_GRAPHDECODE_NAME=VALUE"),
+    (["--plugin-env", "VLLM_OMNI_GRAPHDECODE_STATS_FILE=/x"],
+     "NAME not one this benchmark sets (VLLM_OMNI_GRAPHDECODE_STATS_FILE)"),
     (["--sides", "release,turbo"],
      "--sides release,turbo: unknown ['turbo']; accepted: release, plugin, step"),
     (["--tiny", "--size", "40"], "--size 40: the tiny model needs a multiple of 16"),
