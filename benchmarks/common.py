@@ -49,6 +49,12 @@ def gpu_info() -> dict:
     return info
 
 
+def machine(env: dict) -> dict:
+    """The GPU and versions one run of a results file ran on, from the file's ``environment``:
+    the runs of one file may come from separate device calls, on other machines or torches."""
+    return {k: env.get(k) for k in ("gpu", "memory_mib", "driver")} | {"versions": env["versions"]}
+
+
 def environment() -> dict:
     return {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
             "versions": versions(), **gpu_info()}

@@ -442,9 +442,7 @@ def main(argv=None) -> int:
 
     write()
     ran = []
-    # Each run's own machine: runs of one file may come from separate device calls.
-    machine = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")} | {
-        "versions": env["versions"]}
+    machine = common.machine(env)  # each run's own
     for side in sides:
         served = run_server(side, rates, args, checkpoint)
         for rate in rates:

@@ -298,9 +298,7 @@ def main(argv=None) -> int:
         env["release_from"] = {"file": args.release_from,
                                "commands": earlier["environment"].get("commands")}
     write()
-    # Each side's own machine: the sides of one file may run in separate calls, on other torches.
-    machine = {k: env.get(k) for k in ("gpu", "memory_mib", "driver")} | {
-        "versions": env["versions"]}
+    machine = common.machine(env)  # each side's own
     for side in sides:
         record["sides"][side] = run_side(side, args, checkpoint) | {"machine": machine}
         write()
