@@ -115,7 +115,7 @@ def run_side(side: str, args, checkpoint: str) -> dict:
     env["VLLM_OMNI_GRAPHDECODE"] = "0" if side == "release" else "1"
     if side != "release":
         env["VLLM_OMNI_GRAPHDECODE_STATS_FILE"] = os.path.join(out, "stats-{pid}.json")
-        env.update(plugin_env(getattr(args, "plugin_env", None)))
+        env.update(plugin_env(args.plugin_env))
     if side == "plugin":
         serve_args += ["--max-num-seqs", str(args.n)]
         if args.batch_wait_ms:
@@ -134,12 +134,12 @@ def run_side(side: str, args, checkpoint: str) -> dict:
             "serve_args": serve_args, "result": result}
 
 
-def plugin_env(pairs: list[str] | None) -> dict[str, str]:
+def plugin_env(pairs: list[str]) -> dict[str, str]:
     """``--plugin-env VAR=VALUE`` (repeated): the plugin's settings for its servers, e.g. the
     decode step ``VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP=rowgemv``; the release never takes them.
     Anything but ``VLLM_OMNI_GRAPHDECODE_*=VALUE`` is refused, naming it."""
     out = {}
-    for pair in pairs or []:
+    for pair in pairs:
         var, sep, value = pair.partition("=")
         if not sep or not var.startswith("VLLM_OMNI_GRAPHDECODE_") or var in PLUGIN_ENV_FIXED:
             raise ValueError(f"--plugin-env {pair!r}: expected VLLM_OMNI_GRAPHDECODE_NAME=VALUE, "

@@ -250,7 +250,7 @@ def test_step_side_starts_the_server_with_step_execution(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "run_driver", fake_driver)
     args = serve.argparse.Namespace(out=str(tmp_path), n=8, size=1024, steps=50, text_tokens=16,
                                     text_prompt_chars=100, init_timeout=60, request_timeout=60,
-                                    batch_wait_ms=0.0)
+                                    batch_wait_ms=0.0, plugin_env=[])
     side = serve.run_side("step", args, str(tmp_path / "ckpt"))
     assert side["serve_args"] == serve.MODEL_ARGS + ["--step-execution", "--max-num-seqs", "16"]
     assert seen["env"]["VLLM_OMNI_GRAPHDECODE"] == "1"
