@@ -279,7 +279,7 @@ def test_gpu_base_lora_base_in_the_batch_answers_the_first_base_answer(checkpoin
     assert adapted != base, "the adapter changed nothing: the test would prove nothing"
     assert again == base
     assert stats.get(MODEL, "batch_lora_forward") == 2
-    if env:
+    if env is ROWGEMV:
         assert kept > 0, stats.degraded_paths(MODEL)
 
 
