@@ -37,6 +37,19 @@ def test_doctor_on_cpu_says_why_no_gpu_path(report):
     assert report["fp8_weights"] == f"decode steps: {no}; denoising steps: {no}"
     assert report["decode_step_ops"] == ("fused decode-step ops on cpu: not available: not CUDA "
                                          "(device is cpu)")
+    assert report["sensenova_decode_step"] == "auto: fused (no CUDA device)"
+
+
+def test_doctor_decode_step_line_says_what_auto_runs_on_each_gpu(monkeypatch):
+    import torch
+    from vllm_omni_graphdecode import cli
+
+    major = {"value": 9}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (major["value"], 0))
+    assert cli.decode_step_report("auto", "cuda:0") == "auto: rowgemv (a Hopper GPU)"
+    major["value"] = 8
+    assert cli.decode_step_report("auto", "cuda:0") == "auto: fused (not a Hopper GPU)"
+    assert cli.decode_step_report("exact", "cuda:0") == "exact"
 
 
 def test_doctor_prints_parsed_config_and_hook_matrix(report):

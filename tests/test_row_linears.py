@@ -128,6 +128,26 @@ def test_row_linears_match_the_real_vllm_layers_and_leave_active_lora_alone():
     _run_interpreted(LAYERS_INTERPRETED)
 
 
+def test_the_default_step_is_rowgemv_on_hopper_and_fused_elsewhere(monkeypatch):
+    """``auto`` (the default) resolves by the device's compute capability; a named mode is
+    kept on every device."""
+    assert config.parse({"VLLM_OMNI_GRAPHDECODE": "1"}).sensenova_step == "auto"
+    assert wiring.resolve_step("auto", "cpu") == "fused"
+    capability = {"major": 9}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: (capability["major"], 0))
+    assert wiring.resolve_step("auto", "cuda") == "rowgemv"
+    assert wiring.resolve_step("auto", torch.device("cuda", 0)) == "rowgemv"
+    for major in (7, 8, 10, 12):
+        capability["major"] = major
+        assert wiring.resolve_step("auto", "cuda") == "fused", major
+    for named in ("fused", "tuned", "rowgemv", "exact"):
+        for major in (8, 9):
+            capability["major"] = major
+            assert wiring.resolve_step(named, "cuda") == named
+            assert wiring.resolve_step(named, "cpu") == named
+
+
 def test_rowgemv_is_a_step_mode_and_refused_where_it_cannot_serve():
     assert config.parse({"VLLM_OMNI_GRAPHDECODE": "1",
                          "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv"}).sensenova_step \

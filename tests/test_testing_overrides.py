@@ -32,7 +32,7 @@ def test_an_unknown_step_is_refused_naming_the_value_and_the_accepted_ones(monke
         common.suite_overrides()
     message = str(refused.value)
     assert common.SUITE_STEP_VAR in message and "'cublas'" in message
-    assert "accepted: fused, tuned, rowgemv, exact" in message
+    assert "accepted: auto, fused, tuned, rowgemv, exact" in message
 
 
 def test_a_tests_own_step_mode_wins_over_the_override(monkeypatch):

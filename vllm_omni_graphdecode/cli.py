@@ -72,6 +72,12 @@ def doctor_report() -> dict:
     except Exception as exc:
         report["decode_step_ops"] = f"unknown: {exc!r}"
     try:
+        report["sensenova_decode_step"] = decode_step_report(
+            cfg.sensenova_step if cfg is not None else "auto",
+            "cuda:0" if report.get("gpu") else "cpu")
+    except Exception as exc:
+        report["sensenova_decode_step"] = f"unknown: {exc!r}"
+    try:
         report["fp8_weights"] = fp8_report("cuda:0" if report.get("gpu") else "cpu")
     except Exception as exc:
         report["fp8_weights"] = f"unknown: {exc!r}"
@@ -91,6 +97,19 @@ def doctor_report() -> dict:
         minor = ".".join(omni.split(".")[:2])
         report["this_install"] = {m: _support_for(h, minor) for m, h in hooks.items()}
     return report
+
+
+def decode_step_report(setting: str, device: str) -> str:
+    """doctor's line for ``..._SENSENOVA_STEP``: the setting and the step it runs on ``device``
+    (``auto`` resolves by the GPU)."""
+    from .hooks.sensenova_u1.wiring import resolve_step
+
+    step = resolve_step(setting, device)
+    if setting != "auto":
+        return step
+    where = ("a Hopper GPU" if step == "rowgemv" else
+             "no CUDA device" if device == "cpu" else "not a Hopper GPU")
+    return f"auto: {step} ({where})"
 
 
 def fp8_report(device: str) -> str:

@@ -234,8 +234,9 @@ def install(pipeline, cfg, runner=None, *, kernel=None, graphs: bool | None = No
         kernel = kernels.select_kernel(device, attn.head_dim, cfg.fa_version)
     if graphs is None:
         graphs = isinstance(kernel, kernels.Kernel) and device.type == "cuda"
-    fusion, writer, off = _step_parts(lm, layout, device, dtype, cfg.sensenova_step, use_fp8,
-                                      rows, lm_head="sensenova_lm_head" in cfg.fp8)
+    step = resolve_step(cfg.sensenova_step, device)
+    fusion, writer, off = _step_parts(lm, layout, device, dtype, step, use_fp8, rows,
+                                      lm_head="sensenova_lm_head" in cfg.fp8)
     if off and isinstance(kernel, kernels.Kernel):
         from .fused_step import UNFUSED
 
@@ -387,9 +388,22 @@ def _step_parts(lm, layout, device, dtype, step: str = "fused", use_fp8: bool = 
     return fusion, writer, off
 
 
-# The step modes that run the fused step (``config``'s ``sensenova_step``); ``exact`` runs the
-# model's own modules.
+# The step modes that run the fused step (``config``'s ``sensenova_step``, ``auto`` resolved);
+# ``exact`` runs the model's own modules.
 FUSED_STEPS = ("fused", "tuned", "rowgemv")
+
+
+def resolve_step(setting: str, device) -> str:
+    """The step mode that runs for ``..._SENSENOVA_STEP=setting`` on ``device``: ``setting``
+    itself, or for ``auto`` ``rowgemv`` on a Hopper GPU (compute capability 9.x, where the
+    row GEMV's and the 16-row GEMM's block sizes were measured and the GPU suite ran with
+    them, issue #42) and ``fused`` on any other device."""
+    if setting != "auto":
+        return setting
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return "rowgemv"
+    return "fused"
 
 
 def row_gemv_linears(device, rows: int, language_model=None):
