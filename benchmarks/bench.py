@@ -245,7 +245,9 @@ def bench_sensenova(args, rows, env):
             rows.append(common.case(name, eager, ours, floor,
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
-                                    tokens_per_launch=k, sensenova_step=cfg.sensenova_step,
+                                    tokens_per_launch=k,
+                                    sensenova_step=sensenova_wiring.resolve_step(
+                                        cfg.sensenova_step, "cuda"),
                                     request_gate_ms=gate,
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
@@ -459,19 +461,25 @@ def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None, name=None)
         f"agree {row.get('agree_tokens')} of {row.get('agree_of')}")
 
 
+# The default rows' step: ``fused`` (cuBLAS), as every committed results file's default rows.
+FUSED = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fused"}
+
+
 def _plugin_variants(args, ctx):
     """(row name, FA version, settings) of every plugin side timed at ``ctx``: each FA version at
-    the defaults; for the first, every ``--tokens-per-launch`` and the exact (model's own) step."""
-    variants = [(f"sensenova_decode_ctx{ctx}_fa{fa}", fa, {}) for fa in args.fa]
+    the ``fused`` step (the default off Hopper; ``auto`` reads ``rowgemv`` there, a
+    ``--step-modes`` row); for the first, every ``--tokens-per-launch`` and the exact (model's
+    own) step."""
+    variants = [(f"sensenova_decode_ctx{ctx}_fa{fa}", fa, dict(FUSED)) for fa in args.fa]
     if args.fa:
         fa = args.fa[0]
         variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_k{k}", fa,
-                      {"VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
+                      {**FUSED, "VLLM_OMNI_GRAPHDECODE_TOKENS_PER_LAUNCH": str(k)})
                      for k in args.tokens_per_launch]
         # Each --step-modes mode beside the default row, alternated --repeats times (rows of
         # one run vary by a few % on the H200: the pairs are compared run by run).
         for r in range(1, max(1, args.repeats)):
-            variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_r{r + 1}", fa, {}))
+            variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_r{r + 1}", fa, dict(FUSED)))
             variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}_r{r + 1}", fa,
                           {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
                          for mode in args.step_modes]
