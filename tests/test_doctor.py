@@ -59,6 +59,14 @@ def test_doctor_prints_parsed_config_and_hook_matrix(report):
     assert set(report["this_install"]) == {"sensenova_u1", "qwen_image_21"}
 
 
+def test_doctor_text_names_the_decode_step_auto_runs():
+    proc = _doctor(env_extra={"VLLM_OMNI_GRAPHDECODE": "sensenova_u1"})
+    assert proc.returncode == 0, proc.stderr
+    gpu = __import__("torch").cuda.is_available()
+    assert ("SenseNova-U1 decode step (VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP): auto: "
+            + ("" if gpu else "fused (no CUDA device)")) in proc.stdout
+
+
 def test_doctor_flags_invalid_config_with_exit_2():
     proc = _doctor(env_extra={"VLLM_OMNI_GRAPHDECODE_FA_VERSION": "9"})
     assert proc.returncode == 2

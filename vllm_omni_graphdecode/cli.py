@@ -153,6 +153,8 @@ def _print_doctor(report: dict) -> None:
     print(f"  paged-attention kernel: {report['paged_attention_kernel']}")
     print(f"  Qwen-Image-2.1 fast step's {report['dense_attention']}")
     print(f"  {report['decode_step_ops']}")
+    print(f"  SenseNova-U1 decode step ({config.SENSENOVA_STEP_VAR}): "
+          f"{report['sensenova_decode_step']}")
     print(f"  FP8 weights ({config.FP8_VAR}): {report['fp8_weights']}")
     print(f"  vllm-omni supported: {report['vllm_omni_supported']}")
     if "config_error" in report:
