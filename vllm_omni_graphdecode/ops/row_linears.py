@@ -16,8 +16,9 @@ bandwidth against cuBLAS's 0.88 (``benchmarks/probes/fp8_gemv.py --bf16-gemv``: 
 20.8 us, o_proj 13.5 against 16.4, down 36.8 against 39.3), and the step is 1.10-1.12x the cuBLAS
 step at contexts 512-8192 (``bench.py --step-modes rowgemv``); on the H200 the same, 1.10-1.12x
 (5.48 against 6.07 ms a token at 2048, ``benchmarks/results/h200-2026-12-05c``). The step
-mode ``rowgemv`` (docs/configuration.md), the default on Hopper (``auto``) since the GPU suite
-ran with it on an H100 (``benchmarks/results/h100-2026-12-06e``).
+mode ``rowgemv`` (docs/configuration.md), the default on Hopper (``auto``) since the batch,
+step-execution, fault, structure-change and denoising GPU files ran with it as the default on an
+H100 (``benchmarks/results/h100-2026-12-06e``).
 
 Rounding: one fp32 sum per output in a fixed order, the bias added in fp32, one bf16 rounding;
 the SwiGLU and the residual add round where vLLM's ``silu_and_mul`` and the model's ``+`` do. It

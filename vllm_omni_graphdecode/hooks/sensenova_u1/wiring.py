@@ -396,7 +396,7 @@ FUSED_STEPS = ("fused", "tuned", "rowgemv")
 def resolve_step(setting: str, device) -> str:
     """The step mode that runs for ``..._SENSENOVA_STEP=setting`` on ``device``: ``setting``
     itself, or for ``auto`` ``rowgemv`` on a Hopper GPU (compute capability 9.x, where the
-    row GEMV's and the 16-row GEMM's block sizes were measured and the GPU suite ran with
+    row GEMV's and the 16-row GEMM's block sizes were measured and the GPU tests ran with
     them, issue #42) and ``fused`` on any other device."""
     if setting != "auto":
         return setting
