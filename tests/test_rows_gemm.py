@@ -69,6 +69,24 @@ for n, cfg in ((140, rg.Config(32, 32, 1)), (96, rg.Config(32, 32, 2)),
     err = ((got.float() - want.float()).abs() - 3 * 2.0 ** -7 * want.float().abs()).max().item()
     assert err <= 1e-6, (n, cfg, err)
     assert torch.equal(rg.rows_gemm(x[:5], w, cfg, bias=b, swiglu=True), got[:5]), (n, cfg)
+# The last program's adding (``counts``): the same bits as the adding launch, for a split GEMM
+# with bias and residual and for SwiGLU split and unsplit, rows off the tile; the counts are
+# back at zero after every call. SwiGLU with blocks that do not pair keeps the adding launch.
+counts = torch.zeros(64, dtype=torch.int32)
+for n, k, cfg, kind in ((70, 100, rg.Config(32, 32, 2), "res"), (64, 256, rg.Config(32, 64, 4),
+                        "res"), (128, 100, rg.Config(32, 32, 2), "swiglu"),
+                        (128, 100, rg.Config(32, 32, 1), "swiglu"),
+                        (96, 100, rg.Config(32, 32, 2), "swiglu")):
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    for m in (16, 5):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        extra = (dict(residual=torch.randn(m, n, generator=g).bfloat16()) if kind == "res"
+                 else dict(swiglu=True))
+        want = rg.rows_gemm(x, w, cfg, bias=b, **extra)
+        got = rg.rows_gemm(x, w, cfg, bias=b, counts=counts, **extra)
+        assert torch.equal(got, want), (n, k, cfg, kind, m)
+        assert not counts.any(), (n, cfg, kind, counts)
 for bad in (dict(swiglu=True, residual=torch.zeros(16, 16).bfloat16()),
             dict(residual=torch.zeros(16, 8).bfloat16())):
     try:
@@ -216,15 +234,18 @@ def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
     target = GPUTarget("cuda", 90, 32)
     ints = {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_wn", "stride_rm",
                                       "stride_om")}
-    for partial, res in ((False, False), (False, True), (True, False)):
+    for partial, res, fixup, swiglu in ((False, False, False, False), (False, True, False, False),
+                                        (True, False, False, False), (True, True, True, False),
+                                        (True, False, True, True)):
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16",
-               "part_ptr": "*fp32", "out_ptr": "*bf16", **ints}
+               "part_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32", **ints}
         const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": 2 if partial else 1,
-                 "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res}
+                 "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res, "FIXUP": fixup,
+                 "SWIGLU": swiglu}
         sig.update({name: "constexpr" for name in const})
         compiled = triton.compile(ASTSource(gemm, sig, const), target=target,
                                   options={"num_warps": 4, "num_stages": 4})
-        assert compiled.asm["cubin"], (partial, res)
+        assert compiled.asm["cubin"], (partial, res, fixup, swiglu)
     for swiglu, res, split in ((False, False, 4), (False, True, 4), (True, False, 1)):
         sig = {"part_ptr": "*fp32", "b_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
                **{name: ints[name] for name in ("M", "N", "stride_rm", "stride_om")}}

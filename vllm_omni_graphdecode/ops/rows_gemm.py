@@ -47,6 +47,7 @@ from . import gemv
 from .row_linears import ROW_LAYER_KEPT, available as _one_row_available
 
 TILE_ROWS = 16  # rows of the tile: 1-16 rows, absent ones read as zeros
+COUNT_BLOCKS = 4096  # weight-row blocks a count buffer serves (262,144 rows at 64 a block)
 
 NO_ROWS_GEMM = Reason("bf16 row GEMM unavailable",
                       "a CUDA GPU with Triton; meanwhile the batched step's linear layers run "
@@ -81,14 +82,62 @@ def available(device) -> Reason | None:
 
 def _define(triton, tl):
     @triton.jit
-    def rows_gemm(x_ptr, w_ptr, b_ptr, res_ptr, part_ptr, out_ptr, M, N, K, stride_xm,
-                  stride_wn, stride_rm, stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
-                  WIDEN: tl.constexpr, PARTIAL: tl.constexpr, RES: tl.constexpr):
+    def finish(part_ptr, b_ptr, res_ptr, out_ptr, m, offs, mask, N, stride_rm, stride_om,
+               ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
+               SWIGLU: tl.constexpr, RES: tl.constexpr):
+        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ... + bias[n]), in that order; then
+        # with RES bf16(res[m, n] + out[m, n]). With SWIGLU the parts are a [gate; up] weight's
+        # (2N wide): gate and up are summed and rounded so, and out[m, n] is
+        # silu(gate) * up rounded where vLLM's silu_and_mul rounds (the SiLU, then the product).
+        # ``m`` and ``offs`` broadcast to one shape: one row's columns (the adding launch) or a
+        # block of rows and columns (the last program of a block, ``rows_gemm``'s FIXUP). The
+        # parts are read through L2 (.cg): in FIXUP other programs wrote them.
+        if SWIGLU:
+            width = 2 * N
+        else:
+            width = N
+        total = tl.load(part_ptr + m * width + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            total += tl.load(part_ptr + s * ROWS * width + m * width + offs, mask=mask,
+                             other=0.0, cache_modifier=".cg")
+        if BIAS:
+            total += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        val = total.to(out_ptr.dtype.element_ty)
+        if SWIGLU:
+            up = tl.load(part_ptr + m * width + N + offs, mask=mask, other=0.0,
+                         cache_modifier=".cg")
+            for s in range(1, SPLIT_K):
+                up += tl.load(part_ptr + s * ROWS * width + m * width + N + offs, mask=mask,
+                              other=0.0, cache_modifier=".cg")
+            if BIAS:
+                up += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
+            gate = val.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+            up = up.to(out_ptr.dtype.element_ty)
+            val = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if RES:
+            res = tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0)
+            val = (res.to(tl.float32) + val.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m * stride_om + offs, val, mask=mask)
+
+    # The kernels call it by its global name (Triton resolves a called @jit function through the
+    # caller's globals, compiled and interpreted).
+    global _finish
+    _finish = finish
+
+    @triton.jit
+    def rows_gemm(x_ptr, w_ptr, b_ptr, res_ptr, part_ptr, out_ptr, count_ptr, M, N, K,
+                  stride_xm, stride_wn, stride_rm, stride_om, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+                  BIAS: tl.constexpr, WIDEN: tl.constexpr, PARTIAL: tl.constexpr,
+                  RES: tl.constexpr, FIXUP: tl.constexpr = False, SWIGLU: tl.constexpr = False):
         # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
         # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. Without PARTIAL
         # (one split) it adds the bias in fp32 and writes out[m, n] in x's dtype itself (no
         # second launch), then with RES res[m, n] + out[m, n] as two tensors of x's dtype add.
+        # With PARTIAL and FIXUP the program that writes a block's last part (an atomic count
+        # per block, or per gate block and its up block with SWIGLU) adds the block's parts as
+        # the adding launch would (``finish``) and puts the count back to zero.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,6 +163,26 @@ def _define(triton, tl):
         if PARTIAL:
             out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
             tl.store(out, acc, mask=offs_n[:, None] < N)
+            if FIXUP:
+                if SWIGLU:  # gate block j pairs with up block j + half
+                    group = pid_n % (tl.num_programs(0) // 2)
+                    arrivals = 2 * SPLIT_K
+                    n_out = N // 2
+                else:
+                    group = pid_n
+                    arrivals = SPLIT_K
+                    n_out = N
+                # Every thread's stores before the count (release); the program that counts
+                # last sees every part (acquire).
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
+                if done == arrivals - 1:
+                    cols = group * BLOCK_N + tl.arange(0, BLOCK_N)
+                    mask = (offs_m[:, None] < M) & (cols[None, :] < n_out)
+                    _finish(part_ptr, b_ptr, res_ptr, out_ptr, offs_m[:, None], cols[None, :],
+                            mask, n_out, stride_rm, stride_om, ROWS, SPLIT_K, BIAS, SWIGLU,
+                            RES)
+                    tl.atomic_xchg(count_ptr + group, 0, sem="relaxed")
         else:
             if BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -129,39 +198,10 @@ def _define(triton, tl):
     def add_splits(part_ptr, b_ptr, res_ptr, out_ptr, M, N, stride_rm, stride_om,
                    ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
                    BLOCK: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr):
-        # out[m, n] = bf16(part[0, m, n] + part[1, m, n] + ... + bias[n]), in that order; then
-        # with RES bf16(res[m, n] + out[m, n]). With SWIGLU the parts are a [gate; up] weight's
-        # (2N wide): gate and up are summed and rounded so, and out[m, n] is
-        # silu(gate) * up rounded where vLLM's silu_and_mul rounds (the SiLU, then the product).
-        m = tl.program_id(1)
+        # ``finish`` for one row's BLOCK columns: program (column block, row).
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
-        if SWIGLU:
-            width = 2 * N
-        else:
-            width = N
-        total = tl.load(part_ptr + m * width + offs, mask=mask, other=0.0)
-        for s in range(1, SPLIT_K):
-            total += tl.load(part_ptr + s * ROWS * width + m * width + offs, mask=mask,
-                             other=0.0)
-        if BIAS:
-            total += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        val = total.to(out_ptr.dtype.element_ty)
-        if SWIGLU:
-            up = tl.load(part_ptr + m * width + N + offs, mask=mask, other=0.0)
-            for s in range(1, SPLIT_K):
-                up += tl.load(part_ptr + s * ROWS * width + m * width + N + offs, mask=mask,
-                              other=0.0)
-            if BIAS:
-                up += tl.load(b_ptr + N + offs, mask=mask, other=0.0).to(tl.float32)
-            gate = val.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-            up = up.to(out_ptr.dtype.element_ty)
-            val = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        if RES:
-            res = tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0)
-            val = (res.to(tl.float32) + val.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + m * stride_om + offs, val, mask=mask)
+        _finish(part_ptr, b_ptr, res_ptr, out_ptr, tl.program_id(1), offs, offs < N, N,
+                stride_rm, stride_om, ROWS, SPLIT_K, BIAS, SWIGLU, RES)
 
     return rows_gemm, add_splits
 
@@ -171,7 +211,8 @@ _kernels = triton_kernel(_define)
 
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
               part: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-              swiglu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+              swiglu: bool = False, residual: torch.Tensor | None = None,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N]
     in x's dtype, each row as if alone; ``bias`` [N] added to the fp32 sum before the one
     rounding. ``part``: a [split_k, 16, N] fp32 workspace to reuse.
@@ -180,7 +221,13 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     adds them, in the same launches. ``swiglu``: ``weight`` is a [gate; up] projection (N even)
     and the result [M, N / 2] is ``silu(gate) * up`` as vLLM's ``silu_and_mul`` computes it
     from the rounded projection: the sums go through the fp32 workspace (one split or more) and
-    the adding launch ends in the activation, in place of a launch of its own."""
+    the adding launch ends in the activation, in place of a launch of its own.
+
+    ``counts``: an int32 buffer of zeros (``RowsLinears`` keeps one per device), one entry per block of ``cfg.block_n``
+    weight rows: where given, the program that writes a block's last fp32 part adds the parts
+    itself, in the same order and with the same roundings as the adding launch, which then does
+    not run (one launch where there were two; the buffer is left at zero). Calls that share a
+    buffer must not run at the same time (one stream)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > TILE_ROWS:
@@ -202,13 +249,19 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     gemm, add = _kernels()
     b = out if bias is None else bias  # never read without BIAS
     res = out if residual is None else residual  # never read without RES
-    gemm[(-(-n // cfg.block_n), cfg.split_k)](
-        x, weight, b, res, out if part is None else part, out, m, n, k, x.stride(0),
-        weight.stride(0), res.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
+    blocks = -(-n // cfg.block_n)
+    # The last program adds where the buffer has an entry per block and, with SwiGLU, each gate
+    # block has its up block half the blocks on.
+    fixup = (partial and counts is not None and blocks <= counts.numel()
+             and (not swiglu or n % (2 * cfg.block_n) == 0))
+    gemm[(blocks, cfg.split_k)](
+        x, weight, b, res, out if part is None else part, out, counts if fixup else out, m, n,
+        k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k, BIAS=bias is not None,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", PARTIAL=partial,
-        RES=residual is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not partial:
+        RES=residual is not None, FIXUP=fixup, SWIGLU=swiglu, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if not partial or fixup:
         return out
     block = 1024
     add[(-(-n_out // block), m)](part, b, res, out, m, n_out, res.stride(0), out.stride(0),
@@ -227,8 +280,26 @@ class RowsLinears:
     has_head = False
     nbytes = 0
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, fixup: bool = True):
         self.model = model
+        # ``fixup``: split GEMMs add their parts in their own last program (``rows_gemm``'s
+        # ``counts``), the same bits in one launch instead of two.
+        self.fixup = fixup
+        self._counts: dict[torch.device, torch.Tensor] = {}
+
+    def _counts_on(self, device: torch.device) -> torch.Tensor | None:
+        """The zeroed count buffer of ``device`` (the batched step's launches run on one stream
+        at a time), made at the first call outside a graph capture (the warm-ups before one);
+        None without ``fixup`` or inside a capture before that (the adding launch runs)."""
+        if not self.fixup:
+            return None
+        buf = self._counts.get(device)
+        if buf is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            buf = self._counts[device] = torch.zeros(COUNT_BLOCKS, dtype=torch.int32,
+                                                     device=device)
+        return buf
 
     @staticmethod
     def _readable(module, rows: int):
@@ -257,7 +328,7 @@ class RowsLinears:
             return module(x)[0]
         weight = base.weight
         out = rows_gemm(x.reshape(rows, x.shape[-1]), weight, config_for(*weight.shape),
-                        bias=base.bias)
+                        bias=base.bias, counts=self._counts_on(x.device))
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def swiglu_mlp(self, gate_up_module, down_module, x, residual):
@@ -273,10 +344,11 @@ class RowsLinears:
                 or down.weight.shape[1] != up.weight.shape[0] // 2
                 or residual.shape[-1] != down.weight.shape[0]):
             return None
+        counts = self._counts_on(x.device)
         act = rows_gemm(x.reshape(rows, x.shape[-1]), up.weight, config_for(*up.weight.shape),
-                        bias=up.bias, swiglu=True)
+                        bias=up.bias, swiglu=True, counts=counts)
         out = rows_gemm(act, down.weight, config_for(*down.weight.shape), bias=down.bias,
-                        residual=residual.reshape(rows, residual.shape[-1]))
+                        residual=residual.reshape(rows, residual.shape[-1]), counts=counts)
         return out.reshape(residual.shape)
 
     def mlp_tail(self, module, gate_up, residual):
