@@ -300,3 +300,48 @@ def test_gpu_device_memory_is_flat_from_batch_5_to_20(checkpoint):  # noqa: F811
     assert workers.WORKERS.started == made
     assert abs(free[5] - free[20]) <= 2 * 2**20, free
 
+
+
+def test_gpu_row_gemm_last_program_adding_equals_the_adding_launch_at_the_released_shapes():
+    """``rows_gemm``'s ``counts`` (the last program of a block adds its parts): bit for bit the
+    two-launch result at the released layer shapes, for 16 and 3 rows, with the residual and
+    the SwiGLU the batched step uses; the counts are zero after every call."""
+    from vllm_omni_graphdecode.ops import rows_gemm as rg
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.zeros(rg.COUNT_BLOCKS, dtype=torch.int32, device="cuda")
+    for n, k, extra in ((4096, 4096, "res"), (4096, 12288, "res"), (24576, 4096, "swiglu"),
+                        (6144, 4096, None)):
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16()
+        cfg = rg.config_for(n, k)
+        for m in (16, 3):
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            kw = ({"residual": torch.randn(m, n, generator=g, device="cuda").bfloat16()}
+                  if extra == "res" else {"swiglu": True} if extra == "swiglu" else {})
+            want = rg.rows_gemm(x, w, cfg, **kw)
+            got = rg.rows_gemm(x, w, cfg, counts=counts, **kw)
+            assert torch.equal(got, want), (n, k, m, extra)
+            assert not counts.any(), (n, k, m)
+
+
+def test_gpu_split_attention_matches_fp32_and_each_row_equals_itself_alone():
+    """``ops/split_attention.py`` at SenseNova-U1's heads (32 query, 8 KV, d 128), page 16:
+    within bf16 of fp32 attention, and row 0 of 16 rows (neighbours of other lengths) bit for
+    bit row 0 computed alone, in one launch and in two."""
+    from vllm_omni_graphdecode.ops import split_attention as sa
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows, blocks = 16, 16 * 40 + 1
+    k = torch.randn(blocks, 16, 8, 128, generator=g, device="cuda").bfloat16()
+    v = torch.randn(blocks, 16, 8, 128, generator=g, device="cuda").bfloat16()
+    q = torch.randn(rows, 32, 128, generator=g, device="cuda").bfloat16()
+    table = (torch.arange(rows * 40, device="cuda", dtype=torch.int32) + 1).view(rows, 40)
+    seqused = torch.randint(1, 640, (rows,), generator=g, device="cuda", dtype=torch.int32)
+    for cfg in (sa.Config(), sa.Config(one_launch=False)):
+        out = sa.split_attention(q, k, v, table, seqused, 128 ** -0.5,
+                                 sa.Workspace(rows, 32, 8, 128, cfg.splits, "cuda"), cfg)
+        ref = sa.reference(q, k, v, table, seqused, 128 ** -0.5)
+        assert float((out.float() - ref.float()).abs().max()) <= 2 ** -6, cfg
+        alone = sa.split_attention(q[:1], k, v, table[:1], seqused[:1], 128 ** -0.5,
+                                   sa.Workspace(1, 32, 8, 128, cfg.splits, "cuda"), cfg)
+        assert torch.equal(alone[0], out[0]), cfg

@@ -60,6 +60,17 @@ class Workspace:
         self.counts = torch.zeros(rows * kv_heads, dtype=torch.int32, device=device)
         self.splits = splits
 
+    @classmethod
+    def over(cls, parts: torch.Tensor, kv_heads: int) -> "Workspace":
+        """A workspace whose parts are ``parts`` ``(rows, q_heads, splits, head_dim + 1)``, an
+        fp32 buffer the caller keeps (the batched step's scratch), with its own counts."""
+        ws = cls.__new__(cls)
+        ws.parts = parts
+        ws.splits = parts.shape[2]
+        ws.counts = torch.zeros(parts.shape[0] * kv_heads, dtype=torch.int32,
+                                device=parts.device)
+        return ws
+
 
 def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, seqused: torch.Tensor, scale: float,
