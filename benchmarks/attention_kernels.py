@@ -162,34 +162,6 @@ def _flashinfer_call(fi, layers: _Layers):
     return call
 
 
-# The plugin's split attention (``ops/split_attention.py``) at the configurations the benchmark
-# compares with the libraries: (splits, keys a loop step reads, one launch).
-OURS_ONE_ROW = [(s, n, one) for s in (16, 32) for n in (32, 64) for one in (True, False)]
-OURS_BATCH = [(16, n, one, w) for n in (32, 64) for one in (True, False) for w in (4,)]
-
-
-def _ours_call(q_list, k_list, v_list, table, seqused, scale, splits, block_n, one_launch,
-               num_warps=4):
-    from vllm_omni_graphdecode.ops import split_attention as sa
-
-    rows, q_heads, d = q_list[0].shape
-    kv_heads = k_list[0].shape[2]
-    cfg = sa.Config(splits=splits, block_n=block_n, one_launch=one_launch, num_warps=num_warps)
-    ws = sa.Workspace(rows, q_heads, kv_heads, d, splits, q_list[0].device)
-    outs = [torch.empty_like(q) for q in q_list]
-
-    def call(i):
-        return sa.split_attention(q_list[i], k_list[i], v_list[i], table, seqused, scale, ws,
-                                  cfg, out=outs[i])
-
-    call.keep = (ws, outs, table, seqused)
-    return call
-
-
-def _ours_name(splits, block_n, one_launch, num_warps=4):
-    return f"ours_s{splits}_n{block_n}_w{num_warps}_{'one' if one_launch else 'two'}_launch"
-
-
 def _graph_us(call) -> float:
     """``call(i)`` for every layer, warmed up on a side stream, captured as one graph: us per
     call over its replays."""
@@ -259,14 +231,6 @@ def bench_attention(args, rows, env, log):
                 row[f"fa{v}"] = _measure(_fa_call(layers, v), layers)
             except Exception as exc:
                 row[f"fa{v}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        for splits, block_n, one in OURS_ONE_ROW:
-            name = _ours_name(splits, block_n, one)
-            try:
-                row[name] = _measure(_ours_call(layers.q, layers.k, layers.v,
-                                                layers.block_table, layers.seqused, layers.scale,
-                                                splits, block_n, one), layers)
-            except Exception as exc:
-                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         if fi is not None:
             try:
                 start = time.perf_counter()
@@ -409,33 +373,6 @@ def bench_batch_attention(args, rows, env, log):
                     for row in pair:
                         row["row0_same_at_8_and_16_rows"] = bool(torch.equal(a[0], b[0]))
                 results.extend(pair)
-        for splits, block_n, one, warps in OURS_BATCH:
-            pair = []
-            for active in (8, 16):
-                table, seqused = layers.table(batch_kv.BLOCK_SIZE, active)
-                ks = [k.view(-1, batch_kv.BLOCK_SIZE, KV_HEADS, HEAD_DIM) for k in layers.k]
-                vs = [v.view(-1, batch_kv.BLOCK_SIZE, KV_HEADS, HEAD_DIM) for v in layers.v]
-                call = _ours_call(layers.q, ks, vs, table, seqused, layers.scale, splits,
-                                  block_n, one, warps)
-                name = (f"batch_attention_ctx{ctx}_r{active}_"
-                        f"{_ours_name(splits, block_n, one, warps)}")
-                try:
-                    timing = _measure_batch(call, layers, active)
-                except Exception as exc:
-                    rows.append({"case": name, "error": f"{type(exc).__name__}: "
-                                                        f"{str(exc)[:300]}"})
-                    continue
-                pair.append({"case": name, "rows": active, "splits": splits,
-                             "page": batch_kv.BLOCK_SIZE, "kernel": "ours", **timing})
-                pair[-1]["out"] = call(0).clone()
-            if len(pair) == 2:
-                same = bool(torch.equal(pair[0]["out"][0], pair[1]["out"][0]))
-                for row in pair:
-                    row["row0_same_at_8_and_16_rows"] = same
-            for row in pair:
-                row.pop("out")
-                row.setdefault("row0_same_at_8_and_16_rows", None)
-            results.extend(pair)
         for row in results:
             if row["rows"] in current:
                 row["speedup_vs_current"] = round(current[row["rows"]] / row["us"], 3)

@@ -519,10 +519,9 @@ def _denoise_mode(fp8: str, asked: str | None = None) -> str:
 
 def _step_suffix(args) -> str:
     """What the step case's row and profile names add: ``_fp8`` (FP8 copies), ``_rowgemv``
-    (``--step-mode rowgemv``), ``_split`` (``--batch-attention split``), in that order."""
+    (``--step-mode rowgemv``), both in that order."""
     return (("_fp8" if args.fp8 != "off" else "")
-            + ("_rowgemv" if args.step_mode == "rowgemv" else "")
-            + ("_split" if getattr(args, "batch_attention", "vllm") == "split" else ""))
+            + ("_rowgemv" if args.step_mode == "rowgemv" else ""))
 
 
 def _suffix(args) -> str:
@@ -586,10 +585,6 @@ def main(argv=None) -> int:
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP (rowgemv: the "
                          "batched step's linear layers through the plugin's 16-row GEMM): "
                          "step case names end in _rowgemv")
-    ap.add_argument("--batch-attention", choices=("vllm", "split"), default="vllm",
-                    help="the batched step's attention: vLLM's Triton decode kernel (the "
-                         "plugin's), or split: ops/split_attention.py, timed against it "
-                         "(step case names end in _split)")
     ap.add_argument("--denoise", choices=("graph", "fast"), default=None,
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (default: "
                          "fast when --fp8 asks for its W8A8 GEMMs, else graph, the exact "
@@ -706,15 +701,8 @@ def main(argv=None) -> int:
                         "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8,
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": args.step_mode})
     stats.reset()
-    attention = None
-    if args.batch_attention == "split":
-        from vllm_omni_graphdecode.decode.batch import kv as batch_kv
-
-        attention = batch_kv.split_attention(device)
-        if not isinstance(attention, batch_kv.BatchAttention):
-            raise SystemExit(f"--batch-attention split: {attention.describe()}")
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
-        od_config=SimpleNamespace(max_num_seqs=rows)), batch_attention=attention)
+        od_config=SimpleNamespace(max_num_seqs=rows)))
     env["plugin_summary"] = summary
     log(summary)
     if "step" in cases and device.type == "cuda" and not over_budget("step"):

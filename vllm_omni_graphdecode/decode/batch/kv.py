@@ -129,31 +129,6 @@ def select_attention(device) -> BatchAttention | Reason:
     return BatchAttention(f"vllm Triton decode attention ({SPLITS} fixed splits per row)", call)
 
 
-def split_attention(device) -> BatchAttention | Reason:
-    """The plugin's own split attention (``ops/split_attention.py``: one launch, ``SPLITS``
-    parts of each row's own length, so batch-invariant as vLLM's kernel is) under this module's
-    contract; its parts go into ``scratch.partial``. Not the default: the benchmarks
-    (``sensenova_batch.py --batch-attention split``) compare it with vLLM's first."""
-    from ...ops import split_attention as sa
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return attention_ops.NOT_CUDA.because(f"device is {device}")
-    config = sa.Config(splits=SPLITS)
-
-    def call(q, k_cache, v_cache, table, seqused, scale, scratch):
-        # The count buffer lives beside the scratch it serves (made at the first call: the
-        # warm-ups before a capture).
-        workspace = getattr(scratch, "split_workspace", None)
-        if workspace is None:
-            workspace = scratch.split_workspace = sa.Workspace.over(scratch.partial,
-                                                                    k_cache.shape[2])
-        return sa.split_attention(q, k_cache, v_cache, table, seqused, scale, workspace, config)
-
-    return BatchAttention(f"the plugin's split attention ({SPLITS} fixed splits per row, one "
-                          f"launch)", call)
-
-
 def _flat(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(-1, buf.shape[2], buf.shape[3])
 
