@@ -15,8 +15,8 @@ The H200 has not run it.
 The kernel swaps the GEMM's operands: each program computes ``W[n0:n0+64] @ X.T``, the weight's
 rows on the tensor-core tile's long side and the 16 padded rows on its short one, streaming its
 weight rows 128 of K at a time; with ``split_k`` above 1 the programs of one weight block write
-fp32 partial sums that a second launch adds in split order. Block sizes come from the weight's
-shape (``config_for``), none picked by timing, so every process rounds alike.
+fp32 partial sums that are added in split order. Block sizes come from the weight's shape
+(``config_for``), none picked by timing, so every process rounds alike.
 
 The MLP runs in four launches at the released shape, where it ran five
 (``RowsLinears.swiglu_mlp``): the gate-up GEMM writes its fp32 sums to the workspace and the
@@ -26,6 +26,15 @@ GEMM's adding launch adds the residual too (in place of the model's ``+``). That
 batched step from 9.24 to 9.05 ms at 8 rows (42 launches fewer; H100 80GB, vllm-omni 0.30,
 ``benchmarks/results/h100-2026-12-06c``), with the batched step's GPU tests passing on both
 stacks; its CPU tests run under the interpreter.
+
+The parts are added by the program that writes a block's last one (an atomic count per block,
+per gate block and its up block for the SwiGLU; ``RowsLinears`` keeps the zeroed counts), not by
+a launch of their own: the same additions in the same order, so the same bits (checked on the
+H100 at every released shape), and 126 launches fewer a step (o_proj, gate-up and down: the
+MLP in two launches). Measured on an H100 80GB, vllm-omni 0.26, both trees alternated in one
+session (``benchmarks/results/h100-2026-12-06f``): 7.89-7.91 against 7.95-7.99 ms a step at 1
+row (~0.9%), 8.99-9.05 against 9.06-9.10 at 8 (~0.6%), 10.46-10.57 against 10.44-10.60 at 16
+(no change): the adding moved to the tail of the GEMM, which costs most of what the launch did.
 
 Rounding: one fp32 sum per output in a fixed order (per split, then the splits in order), the
 bias added in fp32, one bf16 rounding. A row's sum never reads another row, so each row of a
@@ -332,10 +341,10 @@ class RowsLinears:
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def swiglu_mlp(self, gate_up_module, down_module, x, residual):
-        """``residual + down(silu(gate) * up)`` of ``x``: the gate-up GEMM, its adding launch
-        ending in the SiLU-and-multiply (``rows_gemm``'s ``swiglu``), and the down GEMM with
-        the residual added in its last launch (four launches at the released shape, three
-        where down is not split). None where either layer is not plain or the shapes do not
+        """``residual + down(silu(gate) * up)`` of ``x``: the gate-up GEMM, its adding ending
+        in the SiLU-and-multiply (``rows_gemm``'s ``swiglu``), and the down GEMM with
+        the residual added where its parts are (two launches with ``fixup``, four without, at
+        the released shape). None where either layer is not plain or the shapes do not
         pair (the caller runs the layers one by one, counting a kept layer there)."""
         rows = x.numel() // x.shape[-1]
         up = self._readable(gate_up_module, rows)
