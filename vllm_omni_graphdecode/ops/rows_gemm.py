@@ -18,7 +18,7 @@ weight rows 128 of K at a time; with ``split_k`` above 1 the programs of one wei
 fp32 partial sums that are added in split order. Block sizes come from the weight's shape
 (``config_for``), none picked by timing, so every process rounds alike.
 
-The MLP runs in four launches at the released shape, where it ran five
+The MLP ran in four launches at the released shape, where it had run five
 (``RowsLinears.swiglu_mlp``): the gate-up GEMM writes its fp32 sums to the workspace and the
 adding launch ends in silu(gate) * up (in place of vLLM's ``silu_and_mul`` launch, 3.7 us a layer
 at 8 rows in the H100 profile of ``benchmarks/results/h100-2026-12-06b`` ``f/``), and the down
@@ -232,8 +232,8 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     from the rounded projection: the sums go through the fp32 workspace (one split or more) and
     the adding launch ends in the activation, in place of a launch of its own.
 
-    ``counts``: an int32 buffer of zeros (``RowsLinears`` keeps one per device), one entry per block of ``cfg.block_n``
-    weight rows: where given, the program that writes a block's last fp32 part adds the parts
+    ``counts``: an int32 buffer of zeros (``RowsLinears`` keeps one per device), one entry per
+    block of ``cfg.block_n`` weight rows: where given, the program that writes a block's last fp32 part adds the parts
     itself, in the same order and with the same roundings as the adding launch, which then does
     not run (one launch where there were two; the buffer is left at zero). Calls that share a
     buffer must not run at the same time (one stream)."""
