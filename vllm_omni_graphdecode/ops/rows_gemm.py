@@ -233,10 +233,10 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     the adding launch ends in the activation, in place of a launch of its own.
 
     ``counts``: an int32 buffer of zeros (``RowsLinears`` keeps one per device), one entry per
-    block of ``cfg.block_n`` weight rows: where given, the program that writes a block's last fp32 part adds the parts
-    itself, in the same order and with the same roundings as the adding launch, which then does
-    not run (one launch where there were two; the buffer is left at zero). Calls that share a
-    buffer must not run at the same time (one stream)."""
+    block of ``cfg.block_n`` weight rows: where given, the program that writes a block's last
+    fp32 part adds the parts itself, in the same order and with the same roundings as the adding
+    launch, which then does not run (one launch where there were two; the buffer is left at
+    zero). Calls that share a buffer must not run at the same time (one stream)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > TILE_ROWS:
