@@ -323,3 +323,36 @@ def test_gpu_row_gemm_last_program_adding_equals_the_adding_launch_at_the_releas
             assert torch.equal(got, want), (n, k, m, extra)
             assert not counts.any(), (n, k, m)
 
+
+
+def test_gpu_row_gemm_keeps_its_adding_launch_where_the_last_program_cannot_add():
+    """The two fallbacks of the last-program adding, forced: a SwiGLU weight whose gate and up
+    blocks do not pair (an odd number of blocks) and a ``RowsLinears`` whose first call is inside
+    a graph capture (no count buffer made there): both run the adding launch, with the same
+    bits as the eager call, and a buffer is made at the next call outside the capture."""
+    from vllm_omni_graphdecode.ops import rows_gemm as rg
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    counts = torch.zeros(rg.COUNT_BLOCKS, dtype=torch.int32, device="cuda")
+    w = (torch.randn(4160, 4096, generator=g, device="cuda") * 0.02).bfloat16()  # 65 blocks
+    x = torch.randn(8, 4096, generator=g, device="cuda").bfloat16()
+    cfg = rg.config_for(*w.shape)
+    want = rg.rows_gemm(x, w, cfg, swiglu=True)
+    assert torch.equal(rg.rows_gemm(x, w, cfg, swiglu=True, counts=counts), want)
+    assert not counts.any()
+
+    w = (torch.randn(4096, 12288, generator=g, device="cuda") * 0.02).bfloat16()  # split 4
+    x = torch.randn(8, 12288, generator=g, device="cuda").bfloat16()
+    r = torch.randn(8, 4096, generator=g, device="cuda").bfloat16()
+    cfg = rg.config_for(*w.shape)
+    want = rg.rows_gemm(x, w, cfg, residual=r)  # compiles the adding launch's variant
+    linears = rg.RowsLinears("graphdecode-test")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = rg.rows_gemm(x, w, cfg, residual=r, counts=linears._counts_on(x.device))
+    assert linears._counts == {}
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    made = linears._counts_on(x.device)
+    assert made is not None and not made.any()
