@@ -324,7 +324,6 @@ def test_gpu_row_gemm_last_program_adding_equals_the_adding_launch_at_the_releas
             assert not counts.any(), (n, k, m)
 
 
-
 def test_gpu_row_gemm_keeps_its_adding_launch_where_the_last_program_cannot_add():
     """The two fallbacks of the last-program adding, forced: a SwiGLU weight whose gate and up
     blocks do not pair (an odd number of blocks) and a ``RowsLinears`` whose first call is inside

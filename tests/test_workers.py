@@ -119,7 +119,7 @@ def test_run_returns_only_after_every_worker_is_idle_again(members, own_pool):
     # most one worker per member (not always that many); every one is idle when run returns.
     _thread_of_each(members, 1)
     assert 1 <= own_pool.started <= members and own_pool.idle() == own_pool.started
-    # Later groups of the same size find enough idle workers: the pool does not grow.
+    # Later groups of the same size take the idle workers: never more than one per member made.
     _thread_of_each(members, 3)
     assert own_pool.started <= members and own_pool.idle() == own_pool.started
 
