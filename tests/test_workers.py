@@ -25,8 +25,9 @@ def _thread_of_each(n_members: int, runs: int) -> list[threading.Thread]:
 def test_groups_run_one_after_another_reuse_the_same_threads():
     seen = _thread_of_each(4, 10)
     assert len(seen) == 40
-    # Thread objects are kept alive in ``seen``: a thread per member would give 40.
-    assert len({id(t) for t in seen}) == 4
+    # Thread objects are kept alive in ``seen``: a thread per member would give 40. A member
+    # that ends before the next one starts hands its worker on, so a group may use fewer than 4.
+    assert 1 <= len({id(t) for t in seen}) <= 4
 
 
 def test_a_group_after_a_larger_one_takes_threads_it_already_had():
