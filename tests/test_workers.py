@@ -15,25 +15,37 @@ from vllm_omni_graphdecode.decode.batch import turns, workers
 
 
 def _thread_of_each(n_members: int, runs: int) -> list[threading.Thread]:
+    """Run ``runs`` groups of ``n_members`` one after another; each member waits for the group's
+    launch, so every member of a group holds a worker at once (none can end and hand its worker
+    on to a later member of the same group)."""
     seen: list[threading.Thread] = []
     for _ in range(runs):
-        group = turns.Turns(lambda: None)
-        group.run([lambda: seen.append(threading.current_thread())] * n_members)
+        launched = []
+        group = turns.Turns(lambda: launched.append(True))
+
+        def member():
+            seen.append(threading.current_thread())
+            group.wait_until(lambda: bool(launched))
+
+        group.run([member] * n_members)
+        assert len(launched) == 1
     return seen
 
 
-def test_groups_run_one_after_another_reuse_the_same_threads():
+def test_groups_run_one_after_another_reuse_the_same_threads(own_pool):
     seen = _thread_of_each(4, 10)
     assert len(seen) == 40
-    # Thread objects are kept alive in ``seen``: a thread per member would give 40. A member
-    # that ends before the next one starts hands its worker on, so a group may use fewer than 4.
-    assert 1 <= len({id(t) for t in seen}) <= 4
+    # Thread objects are kept alive in ``seen``: a thread per member would give 40.
+    assert len({id(t) for t in seen}) == 4
+    assert own_pool.started == 4 and own_pool.idle() == 4
 
 
-def test_a_group_after_a_larger_one_takes_threads_it_already_had():
+def test_a_group_after_a_larger_one_takes_threads_it_already_had(own_pool):
     first = set(map(id, _thread_of_each(6, 1)))
     again = set(map(id, _thread_of_each(3, 5)))
+    assert len(first) == 6 and len(again) >= 3
     assert again <= first
+    assert own_pool.started == 6
 
 
 def test_ticks_members_added_after_others_ended_reuse_their_threads():
