@@ -128,13 +128,13 @@ def own_pool(monkeypatch):
 
 @pytest.mark.parametrize("members", [1, 3])
 def test_run_returns_only_after_every_worker_is_idle_again(members, own_pool):
-    # A member that ends before the next one starts hands its worker on, so a group makes at
-    # most one worker per member (not always that many); every one is idle when run returns.
+    # Every member holds its worker until the group's launch (``_thread_of_each``): one worker
+    # each, every one idle again when run returns.
     _thread_of_each(members, 1)
-    assert 1 <= own_pool.started <= members and own_pool.idle() == own_pool.started
-    # Later groups of the same size take the idle workers: never more than one per member made.
+    assert own_pool.started == members and own_pool.idle() == members
+    # Later groups of the same size take the idle workers: none made.
     _thread_of_each(members, 3)
-    assert own_pool.started <= members and own_pool.idle() == own_pool.started
+    assert own_pool.started == members and own_pool.idle() == members
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
