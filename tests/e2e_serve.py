@@ -51,7 +51,8 @@ Scenarios (the request kinds the summary names):
 Sleep phase: ``POST /v1/omni/sleep`` (level 1), ``/v1/omni/wakeup``, the first request again;
 then level 2 and wake-up again (vllm-omni 0.26 and 0.30 alike refuse to wake from level 2:
 ``AsyncOmni.wake_up`` raises NotImplementedError, the endpoint answers 501; recorded, not hidden),
-and the first request once more. Without ``--enable-sleep-mode`` the weights stay where they are;
+and the first request once more (given ``HELD_S`` seconds after a refused wake-up: 0.26 refuses
+it at once, 0.30 holds it). Without ``--enable-sleep-mode`` the weights stay where they are;
 level 2 still clears the runner's graphs, which is where this plugin drops its own.
 
 Written to ``OUT/result.json`` after every request kind (a later failure keeps what came
@@ -441,23 +442,49 @@ def _step(rec: Recorder, kind: str, fn) -> dict | None:
     try:
         entry = fn()
     except Exception as exc:  # noqa: BLE001 - recorded; the next kind's evidence still counts
-        entry = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        before = exc.entry if isinstance(exc, _Recorded) else {}
+        entry = dict(before, error=str(exc) if before else f"{type(exc).__name__}: {exc}",
+                     traceback=traceback.format_exc())
         print(f"e2e_serve: {kind}: FAILED: {entry['error']}", flush=True)
     rec.add(kind, entry)
     return entry
 
 
-def _sleep_phase(rec: Recorder, url: str, again, args) -> None:
-    """Level 1 then level 2 through vllm-omni's endpoints; the first request after each."""
+HELD_S = 30  # the request after a refused wake-up: answered or refused at once, or held
+
+
+def _sleep_phase(rec: Recorder, url: str, again, client, args) -> None:
+    """Level 1 then level 2 through vllm-omni's endpoints; the first request after each
+    (``again(client)``). Where the wake-up is refused (vllm-omni 0.26 and 0.30 after level 2:
+    501) the request is sent anyway, with ``HELD_S`` seconds to answer: 0.26 refuses it at once
+    (the engine is asleep), 0.30 holds it (``AsyncOmni.sleep`` closes admission and only a wake-up
+    that succeeds opens it again), recorded as ``held_after_refused_wakeup``."""
     timeout = args.request_timeout
     for level in (1, 2):
         def run(level=level):
             entry = {"sleep": omni_endpoint(url, SLEEP_ENDPOINTS[0],
                                             {"stage_ids": [0], "level": level}, timeout)}
             entry["wakeup"] = omni_endpoint(url, SLEEP_ENDPOINTS[1], {"stage_ids": [0]}, timeout)
-            entry.update(rec.entry(f"sleep_level{level}_after", again()))
+            refused = entry["wakeup"]["status"] not in (200, None)
+            if refused:
+                entry["wakeup_refused"] = True
+            try:
+                entry.update(rec.entry(f"sleep_level{level}_after", again(
+                    client.with_options(timeout=HELD_S) if refused else client)))
+            except Exception as exc:  # noqa: BLE001 - recorded in the entry, as _step records
+                if refused and "Timeout" in type(exc).__name__:
+                    entry["held_after_refused_wakeup"] = HELD_S
+                raise _Recorded(entry, exc) from exc
             return entry
         _step(rec, f"sleep_level{level}", run)
+
+
+class _Recorded(Exception):
+    """A step's failure with what it had recorded before it (``_step`` keeps both)."""
+
+    def __init__(self, entry: dict, exc: Exception):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.entry, self.cause = entry, exc
 
 
 def run_sensenova(rec: Recorder, client, url: str, model: str, args) -> None:
@@ -477,8 +504,8 @@ def run_sensenova(rec: Recorder, client, url: str, model: str, args) -> None:
                 "serial_s": round(sum(r["s"] for r in serial), 3)}
     _step(rec, "sensenova_concurrent", concurrent)
     if not args.no_sleep:
-        _sleep_phase(rec, url, lambda: sensenova_text(client, model, SENSENOVA_PROMPT,
-                                                      args.text_tokens), args)
+        _sleep_phase(rec, url, lambda c: sensenova_text(c, model, SENSENOVA_PROMPT,
+                                                        args.text_tokens), client, args)
 
 
 def _nth(prompts: tuple[str, ...], i: int) -> str:
@@ -761,7 +788,7 @@ def run_qwen(rec: Recorder, client, url: str, model: str, args, only_t2i: bool =
         return entry
     _step(rec, kind, concurrent)
     if not args.no_sleep:
-        _sleep_phase(rec, url, lambda: qwen_t2i(client, model, args.qwen_steps), args)
+        _sleep_phase(rec, url, lambda c: qwen_t2i(c, model, args.qwen_steps), client, args)
 
 
 def main(argv=None) -> int:

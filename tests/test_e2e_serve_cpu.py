@@ -455,3 +455,71 @@ def test_serve_cases_setting_starts_the_named_servers_and_refuses_unknown_names(
     every = serve_gpu._Runs({}, None)  # every case asked: a missing one is the fixture's fault
     with pytest.raises(KeyError):
         every["sensenova_off"]
+
+
+class _Asleep(BaseHTTPRequestHandler):
+    """vLLM-Omni 0.30's server around a level-2 sleep, on the wire: sleep answers, wake-up from
+    level 1 answers, wake-up from level 2 answers 501 (``AsyncOmni.wake_up`` raises
+    NotImplementedError), and a chat request after that is held (admission stays closed)."""
+
+    level = 0
+    release = threading.Event()
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/v1/omni/sleep":
+            type(self).level = body["level"]
+            return self._send(200, {"status": "SUCCESS", "acks": []})
+        if self.path == "/v1/omni/wakeup":
+            if self.level == 2:
+                return self._send(501, {"error": {"message": "wake_up() after sleep(level=2) "
+                                                             "is not yet implemented"}})
+            return self._send(200, {"status": "SUCCESS", "acks": []})
+        if self.level == 2:
+            self.release.wait(20)  # held: the client gives up first
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
+                         "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": "hello"}}]})
+
+
+def test_request_after_a_refused_wake_up_is_recorded_held_and_named_vllm_omnis_refusal(
+        tmp_path, monkeypatch):
+    """After level 2 the driver sends the request anyway with ``HELD_S`` to answer; held past
+    it, the entry keeps the sleep and the 501 and says it was held, and the GPU module counts it
+    as vLLM-Omni's refusal (no counterpart needed: the refusal is the wake-up's). Level 1's
+    request is answered and is no refusal; an error after a wake-up that answered is none."""
+    monkeypatch.setattr(e2e_serve, "HELD_S", 1)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Asleep)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    rec = e2e_serve.Recorder(str(tmp_path), {"start": "ready"})
+    args = type("Args", (), {"request_timeout": 30})()
+    try:
+        e2e_serve._sleep_phase(rec, url, lambda c: e2e_serve.sensenova_text(c, "tiny", "hi", 8),
+                               e2e_serve.make_client(url, 30), args)
+    finally:
+        _Asleep.release.set()
+        server.shutdown()
+    requests = json.loads((tmp_path / "result.json").read_text())["requests"]
+    one, two = requests["sleep_level1"], requests["sleep_level2"]
+    assert "error" not in one and one["text"] == "hello" and one["wakeup"]["status"] == 200
+    assert two["sleep"]["status"] == 200 and two["wakeup"]["status"] == 501
+    assert two["wakeup_refused"] and two["held_after_refused_wakeup"] == 1
+    assert "Timeout" in two["error"], two["error"]
+    run = {"result": {"requests": requests}}
+    refusal = serve_gpu._vllm_omni_refusal(run, None, "sleep_level2")
+    assert refusal and "501" in refusal and "held 1 s" in refusal, refusal
+    assert serve_gpu._vllm_omni_refusal(run, None, "sleep_level1") is None
+    answered = {"result": {"requests": {"sleep_level2": dict(two, wakeup={"status": 200})}}}
+    assert serve_gpu._vllm_omni_refusal(answered, None, "sleep_level2") is None

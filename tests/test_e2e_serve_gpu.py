@@ -65,8 +65,10 @@ Sleep: vllm-omni's ``/v1/omni/sleep`` and ``/v1/omni/wakeup`` (vllm's own ``/sle
 VLLM_SERVER_DEV_MODE and calls ``sleep(level)`` positionally, which AsyncOmni reads as
 ``stage_ids``). Level 2 clears the runner's graphs (the plugin's are released there); 0.26 and
 0.30 then refuse ``wake_up`` (``AsyncOmni.wake_up``: NotImplementedError, weights discarded at
-level 2 cannot be reloaded yet; the endpoint answers 501) and the next request is refused with the
-plugin off and on alike, which is skipped with the refusal. The servers run without
+level 2 cannot be reloaded yet; the endpoint answers 501) and the next request is refused (0.26:
+the engine is asleep) or held (0.30: ``AsyncOmni.sleep`` closes admission and only a wake-up that
+succeeds opens it; the driver gives it ``e2e_serve.HELD_S``), with the plugin off and on alike:
+counted as vLLM-Omni's refusal, the wake-up's 501 naming it (``_refused_wakeup``), and skipped. The servers run without
 ``--enable-sleep-mode``, so weights stay and the request after a level-1 sleep must equal the one
 before, graphs re-captured.
 
@@ -559,10 +561,29 @@ COUNTERPART = {"sensenova_on": "sensenova_off", "sensenova_off": "sensenova_on",
 
 def _vllm_omni_refusal(run_a, run_b, kind) -> str | None:
     """The error this vLLM-Omni gave ``kind`` on both servers, when it is the same one: a limit of
-    the release (it refuses with the plugin off too), not something the plugin did."""
+    the release (it refuses with the plugin off too), not something the plugin did. Or, for a
+    request after a wake-up that vLLM-Omni refused (``_refused_wakeup``) on every server of the
+    two that ran, that refusal."""
     a, b = (_entry(run, kind) or {} if run else {} for run in (run_a, run_b))
     if a.get("error") and b.get("error") and _error_core(a["error"]) == _error_core(b["error"]):
         return _error_core(a["error"])
+    wakes = [_refused_wakeup(e) for e in (a, b) if e]
+    if wakes and all(wakes):
+        return wakes[0]
+    return None
+
+
+def _refused_wakeup(entry) -> str | None:
+    """What vLLM-Omni said when it refused ``entry``'s wake-up (0.26 and 0.30 after level 2:
+    ``AsyncOmni.wake_up`` raises NotImplementedError, the endpoint answers 501), when the request
+    after it then failed: refused at once (0.26) or held past ``e2e_serve.HELD_S`` (0.30's
+    admission stays closed until a wake-up succeeds). None otherwise."""
+    wake = entry.get("wakeup") or {}
+    if entry.get("error") and wake.get("status") == 501:
+        held = entry.get("held_after_refused_wakeup")
+        then = f"held {held} s" if held else _error_core(entry["error"])
+        return (f"wake-up refused (501: {_error_core(wake.get('body', ''))[:120]}); the request "
+                f"after it: {then}")
     return None
 
 
