@@ -68,9 +68,9 @@ VLLM_SERVER_DEV_MODE and calls ``sleep(level)`` positionally, which AsyncOmni re
 level 2 cannot be reloaded yet; the endpoint answers 501) and the next request is refused (0.26:
 the engine is asleep) or held (0.30: ``AsyncOmni.sleep`` closes admission and only a wake-up that
 succeeds opens it; the driver gives it ``e2e_serve.HELD_S``), with the plugin off and on alike:
-counted as vLLM-Omni's refusal, the wake-up's 501 naming it (``_refused_wakeup``), and skipped. The servers run without
-``--enable-sleep-mode``, so weights stay and the request after a level-1 sleep must equal the one
-before, graphs re-captured.
+counted as vLLM-Omni's refusal, the wake-up's 501 naming it (``_refused_wakeup``), and skipped.
+The servers run without ``--enable-sleep-mode``, so weights stay and the request after a level-1
+sleep must equal the one before, graphs re-captured.
 
 Data parallelism (two replicas) is not tested here (issue #43): vllm-omni 0.26 and 0.30 reject
 ``--data-parallel-size`` under ``--omni`` (replicas come from a per-stage ``num_replicas`` in a
