@@ -472,7 +472,9 @@ def _sleep_phase(rec: Recorder, url: str, again, client, args) -> None:
                 entry.update(rec.entry(f"sleep_level{level}_after", again(
                     client.with_options(timeout=HELD_S) if refused else client)))
             except Exception as exc:  # noqa: BLE001 - recorded in the entry, as _step records
-                if refused and "Timeout" in type(exc).__name__:
+                import openai
+
+                if refused and isinstance(exc, openai.APITimeoutError):
                     entry["held_after_refused_wakeup"] = HELD_S
                 raise _Recorded(entry, exc) from exc
             return entry
@@ -484,7 +486,7 @@ class _Recorded(Exception):
 
     def __init__(self, entry: dict, exc: Exception):
         super().__init__(f"{type(exc).__name__}: {exc}")
-        self.entry, self.cause = entry, exc
+        self.entry = entry
 
 
 def run_sensenova(rec: Recorder, client, url: str, model: str, args) -> None:
