@@ -736,9 +736,11 @@ def bench_profile(args, rows, env):
     head = getattr(args, "fp8_lm_head", False)
     fp8_name = f"sensenova_graph_fp8{'_lmhead' if head else ''}_ctx{ctx}"
     graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
-              (fp8_name, k, "graph_fp8"), (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv")]
+              (fp8_name, k, "graph_fp8"), (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv"),
+              (f"sensenova_graph_rowgemv_nofold_ctx{ctx}", k, "graph_rowgemv_nofold")]
     fusions = {"graph_fp8": lambda: _fp8_fusion(lm, device, head),
-               "graph_rowgemv": lambda: _rowgemv_fusion(lm, device)}
+               "graph_rowgemv": lambda: _rowgemv_fusion(lm, device),
+               "graph_rowgemv_nofold": lambda: _rowgemv_fusion(lm, device, fold_norms=False)}
     for name, per_launch, part in graphs:
         if part not in parts:
             continue
@@ -782,17 +784,21 @@ def bench_profile(args, rows, env):
                                  floor if name.startswith("sensenova") else None))
 
 
-PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; "graph_fp8", "graph_rowgemv" on request
+PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; the graph_fp8 and graph_rowgemv
+# parts on request
 
 
-def _rowgemv_fusion(lm, device):
+def _rowgemv_fusion(lm, device, fold_norms=True):
     """The fused step with the bf16 row GEMV (``..._SENSENOVA_STEP=rowgemv`` at one row, the head
-    included), or the error why not."""
+    included), or the error why not. ``fold_norms=False`` (the profile part
+    ``graph_rowgemv_nofold``): the RMSNorms in launches of their own, as before issue #42's
+    folds, for the A/B in one process."""
     from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
 
     linears, why = sensenova_wiring.row_gemv_linears(device, 1, lm)
     if linears is None or why:
         raise RuntimeError(f"no row GEMV: {[w.describe() for w in why]}")
+    linears.fold_norms = fold_norms
     return fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
 
 
@@ -960,8 +966,10 @@ def main():
     ap.add_argument("--profile-parts", type=lambda v: [p for p in v.split(",") if p],
                     default=list(PROFILE_PARTS),
                     help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
-                         "FP8 copies), graph_rowgemv (the bf16 row GEMV step), eager, qwen "
-                         "(default: all but graph_fp8 and graph_rowgemv)")
+                         "FP8 copies), graph_rowgemv (the bf16 row GEMV step), "
+                         "graph_rowgemv_nofold (the same, its RMSNorms in launches of their "
+                         "own), eager, qwen (default: all but graph_fp8 and the graph_rowgemv "
+                         "parts)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.fa = [f for f in args.fa.split(",") if f]

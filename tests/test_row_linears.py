@@ -160,3 +160,75 @@ def test_rowgemv_is_a_step_mode_and_refused_where_it_cannot_serve():
     linears, why = wiring.row_gemv_linears("cuda", 8)
     assert isinstance(linears, rows_gemm.RowsLinears) and why == []
     assert "rowgemv" in wiring.FUSED_STEPS and "exact" not in wiring.FUSED_STEPS
+
+
+FOLDS_INTERPRETED = """
+import torch
+import torch.nn.functional as F
+from vllm_omni_graphdecode.ops import row_linears
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+from vllm_omni_graphdecode.ops.layer_ops import REFERENCE_LAYER_OPS as ref
+from vllm_omni_graphdecode.testing import sensenova as st
+
+lm = st.build_lm(dtype=torch.bfloat16)
+layer, nxt = lm.model.layers[0], lm.model.layers[1]
+attn, mlp = layer.self_attn, layer.mlp
+linears = row_linears.RowLinears("sensenova_u1", table={
+    tuple(mlp.gate_up_proj.weight.shape): fp8_gemv.KernelConfig(8, 32, 4)})
+g = torch.Generator().manual_seed(5)
+ln2, ln1 = layer.post_attention_layernorm, nxt.input_layernorm
+for norm in (ln2, ln1):  # weights away from one, so that a norm left out would show
+    norm.weight.data = (1 + 0.2 * torch.randn(norm.weight.shape, generator=g)).bfloat16()
+
+def close(got, want):
+    # the squares summed in another order, the interpreter truncating where the GPU rounds:
+    # within two bf16 steps of the largest value
+    return float((got.float() - want.float()).abs().max()) <= (
+        2 * 2.0 ** -7 * float(want.float().abs().max()) + 1e-3)
+
+with torch.inference_mode():
+    # o_proj: the residual updated in place, the post-attention norm returned (one launch)
+    # against the GEMV, then vLLM's fused_add_rms_norm contract.
+    x = torch.randn(1, 1, attn.o_proj.weight.shape[1], generator=g).bfloat16()
+    residual = torch.randn(1, 1, attn.o_proj.weight.shape[0], generator=g).bfloat16()
+    want_res = residual.clone()
+    want_x = linears(attn.o_proj, x)
+    ref.add_rms_norm_(want_x, want_res, ln2.weight, ln2.variance_epsilon)
+    got_res = residual.clone()
+    counts = linears._counts_on(x.device)
+    got_x = linears.add_norm(attn.o_proj, x, got_res, ln2.weight, ln2.variance_epsilon)
+    assert got_x is not None and got_x.shape == want_x.shape
+    # The same launch as the GEMV with its residual add: the same bits (the interpreter rounds
+    # that add otherwise than torch's, so the contract's sum is within a step of it).
+    plain = fp8_gemv.gemv(x, attn.o_proj.weight, None, attn.o_proj.bias,
+                          linears._config(attn.o_proj.weight), residual=residual)
+    assert torch.equal(got_res, plain) and close(got_res, want_res)
+    assert close(got_x, want_x)
+    assert int(counts.abs().sum()) == 0  # the count is back at zero
+    # down: residual + the MLP, and the next layer's input norm of it (two launches), against
+    # the two-launch MLP and the norm apart.
+    x = torch.randn(1, 1, mlp.gate_up_proj.weight.shape[1], generator=g).bfloat16()
+    want = linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, x, residual)
+    out, normed = linears.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, x, residual,
+                                          ln1.weight, ln1.variance_epsilon)
+    assert torch.equal(out, want)
+    assert close(normed, ref.rms_norm(want, ln1.weight, ln1.variance_epsilon))
+    assert int(counts.abs().sum()) == 0
+    # Without the folds, or where a layer is not plain, they answer None (the caller's steps).
+    off = row_linears.RowLinears("sensenova_u1", fold_norms=False)
+    assert off.add_norm(attn.o_proj, x[..., :attn.o_proj.weight.shape[1]], residual.clone(),
+                        ln2.weight, ln2.variance_epsilon) is None
+    assert linears.add_norm(torch.nn.Linear(2, 2), x, residual.clone(), ln2.weight,
+                            ln2.variance_epsilon) is None
+    assert "RMSNorms in the o_proj and down launches" in linears.describe()
+    assert "RMSNorms" not in off.describe()
+print("ok")
+"""
+
+
+def test_row_gemv_folds_the_norms_after_o_proj_and_down_under_triton_interpreter():
+    """``add_norm``: the o_proj GEMV adds into the residual in place and its last program returns
+    the post-attention norm; ``swiglu_mlp_norm``: the MLP's two launches, the down launch's last
+    program returning the next layer's input norm. The sums equal the unfolded launches bit for
+    bit, the norms vLLM's contract within bf16 rounding, the counts back at zero."""
+    _run_interpreted(FOLDS_INTERPRETED)

@@ -968,3 +968,55 @@ def test_gpu_verify_mode_accepts_sampling_programs(gpu):
     pipe = _pipe(gpu, cfg=_cfg(LONG_BUCKETS, k=8, VLLM_OMNI_GRAPHDECODE_VERIFY="1"))
     _sampled_text(pipe, gpu, seed=11, steps=200)
     assert stats.get(MODEL, "verified") >= 2 and stats.get(MODEL, "verify_mismatch") == 0
+
+
+def _vllm_norm_launches(decoder, token, position) -> int:
+    """vLLM's RMSNorm kernels (``rms_norm``, ``fused_add_rms_norm``) one eager step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.step(token, position)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events()
+               if e.device_type.name == "CUDA" and "vllm::" in e.name and "rms_norm" in e.name)
+
+
+def test_gpu_rowgemv_folds_the_layer_norms_into_its_o_proj_and_down_launches(gpu):
+    """The ``rowgemv`` step (issue #42) computes each layer's post-attention norm in its o_proj
+    launch and the next layer's input norm in its down launch: one vLLM norm launch a step (the
+    first layer's input norm) where the step without the folds runs two a layer. The same step
+    without them agrees within the fused step's bound over 200 steps (the folds change the
+    order of the squares' sum only), and the residual stream they leave is the same tensor the
+    next layer reads (else the next layer would normalise again: counted above)."""
+    layout = _fused_layout(gpu)
+    decoders = {}
+    for fold in (True, False):
+        linears, why = sensenova_wiring.row_gemv_linears("cuda", 1)
+        assert why == [], why
+        linears.fold_norms = fold
+        fusion = hook.Fusion.select(gpu.lm, layout, "cuda", linears=linears)
+        assert fusion.folds_norms is fold
+        decoders[fold] = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256),
+                                            graphs=False, fusion=fusion)
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, cache_on, t_idx = st.prefill(pipe, gpu.ids)
+    _, cache_off, _ = st.prefill(pipe, gpu.ids)
+    decoders[True].begin(cache_on)
+    decoders[False].begin(cache_off)
+    token = out.logits[:, -1].argmax(-1)
+    layers = len(gpu.lm.model.layers)
+    worst = 0.0
+    with torch.inference_mode():
+        decoders[True].step(token, t_idx + 1)  # the count buffers, made outside any capture
+        decoders[False].step(token, t_idx + 1)
+        assert _vllm_norm_launches(decoders[True], token, t_idx + 2) == 1
+        assert _vllm_norm_launches(decoders[False], token, t_idx + 2) == 2 * layers
+        for step in range(200):
+            a = decoders[True].step(token, t_idx + 3 + step).float()
+            b = decoders[False].step(token, t_idx + 3 + step).float()
+            worst = max(worst, (a - b).abs().max().item() / b.abs().max().item())
+            token = b[:, -1].argmax(-1)
+    for decoder in decoders.values():
+        decoder.release()
+    print(f"folded against unfolded norms: worst {worst:.3g} of the largest logit")
+    assert worst < 3e-2

@@ -32,6 +32,7 @@ through both (its answer must not depend on whether it ran alone).
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -75,10 +76,62 @@ class RowLinears:
     ``table``: the hook's block sizes per weight shape (``fp8.gemv.config_for``; None: the
     shape rule). ``model``: the stats key."""
 
-    def __init__(self, model: str, table: dict | None = None):
+    def __init__(self, model: str, table: dict | None = None, fold_norms: bool = True):
         self.model = model
         self.table = table
         self._head = None  # (weakref to the lm_head, the rows it keeps) once ``take_head``
+        # ``fold_norms``: ``add_norm`` and ``swiglu_mlp_norm`` serve (the RMSNorm after o_proj
+        # and after down computed by the launch's last program); else they answer None.
+        self.fold_norms = fold_norms
+        self._counts: dict[torch.device, torch.Tensor] = {}
+
+    def _counts_on(self, device: torch.device) -> torch.Tensor | None:
+        """The zeroed per-row count buffer of ``device`` (the one-row step's launches run on one
+        stream), made at the first call outside a graph capture (the warm-ups before one);
+        None without ``fold_norms``, off CUDA (but under Triton's interpreter: the CPU tests), or
+        inside a capture before that."""
+        if not self.fold_norms or (device.type != "cuda"
+                                   and os.environ.get("TRITON_INTERPRET") != "1"):
+            return None
+        buf = self._counts.get(device)
+        if buf is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            buf = self._counts[device] = torch.zeros(16, dtype=torch.int32, device=device)
+        return buf
+
+    def add_norm(self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+        """``residual <- residual + module(x)`` in place, then ``rms_norm(residual) * weight``
+        returned, in one launch (what vLLM's ``fused_add_rms_norm`` does after the GEMV, with
+        its roundings), or None where ``module`` is not plain, the shapes do not fit or there is
+        no count buffer (the caller runs its own steps)."""
+        base = self._readable(module)
+        counts = self._counts_on(x.device)
+        if (base is None or counts is None or residual.shape[-1] != base.weight.shape[0]
+                or residual.numel() != base.weight.shape[0] or not residual.is_contiguous()
+                or weight.shape != (base.weight.shape[0],)):
+            return None
+        _, normed = row_gemv.gemv(x, base.weight, None, base.bias, self._config(base.weight),
+                                  out=residual.view(1, -1), residual=residual,
+                                  norm=(weight, eps), counts=counts)
+        return normed.view(residual.shape)
+
+    def swiglu_mlp_norm(self, gate_up_module, down_module, x, residual, weight, eps):
+        """``(residual + down(silu(gate) * up), rms_norm(that) * weight)`` in two launches (the
+        down launch's last program normalises: the next layer's input norm), or None where
+        ``swiglu_mlp`` would not serve or there is no count buffer."""
+        down = self._readable(down_module)
+        counts = self._counts_on(x.device)
+        if (counts is None or down is None or weight.shape != (down.weight.shape[0],)
+                or residual.numel() != down.weight.shape[0]):
+            return None
+        act = self._swiglu(gate_up_module, x)
+        if act is None:
+            return None
+        out, normed = row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
+                                    residual=residual, norm=(weight, eps), counts=counts)
+        return out.view(residual.shape), normed.view(residual.shape)
 
     def _config(self, weight: torch.Tensor) -> row_gemv.KernelConfig:
         n, k = weight.shape
@@ -113,15 +166,22 @@ class RowLinears:
         its (gate, up) row pairs from the weight's halves and ends in silu(gate) * up, the down
         one adds the residual. None where either layer is not plain, or the gate-up blocks do
         not pair (the caller runs the layers one by one, counting a kept layer there)."""
-        up, down = self._readable(gate_up_module), self._readable(down_module)
-        if up is None or down is None:
+        down = self._readable(down_module)
+        act = None if down is None else self._swiglu(gate_up_module, x)
+        if act is None:
+            return None
+        return row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
+                             residual=residual)
+
+    def _swiglu(self, gate_up_module, x):
+        """silu(gate) * up of ``x`` in one launch, or None (not plain, or blocks do not pair)."""
+        up = self._readable(gate_up_module)
+        if up is None:
             return None
         cfg = self._config(up.weight)
         if cfg.block_n % 2 or up.weight.shape[0] % cfg.block_n:
             return None
-        act = row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True)
-        return row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
-                             residual=residual)
+        return row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True)
 
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down(silu(gate) * up)`` as one launch, or None where ``module`` is not
@@ -173,4 +233,5 @@ class RowLinears:
 
     def describe(self) -> str:
         head = " and lm_head" if self._head is not None else ""
-        return f"bf16 row GEMVs{head}, SiLU-and-multiply in the gate-up launch"
+        norms = ", the RMSNorms in the o_proj and down launches" if self.fold_norms else ""
+        return f"bf16 row GEMVs{head}, SiLU-and-multiply in the gate-up launch{norms}"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import weakref
 
 import torch
 
@@ -41,7 +42,7 @@ from ...ops import gemv, layer_ops
 from ...ops.fp8 import marlin, quant
 from ...ops.fp8.linears import HEAD_KEPT, LAYER_KEPT, Fp8Linears
 from . import gemv_table, layouts, ops, rope_store
-from .step_args import PAGED_KWARG
+from .step_args import FOLDED, PAGED_KWARG
 
 UNFUSED = Reason("decode step unfused",
                  "a CUDA build of vllm and vllm-omni's Triton qk-norm + rope kernel (see the detail)")
@@ -83,6 +84,36 @@ class Fusion:
         layers (``linears.Fp8Linears.swiglu_mlp``), else None (the caller runs its steps)."""
         fn = getattr(self.gemv, "swiglu_mlp", None)
         return None if fn is None else fn(mlp.gate_up_proj, mlp.down_proj, x, residual)
+
+    @property
+    def folds_norms(self) -> bool:
+        """Whether the step's linears compute the RMSNorms in their o_proj and down launches
+        (``row_linears.RowLinears.add_norm`` / ``swiglu_mlp_norm``)."""
+        return bool(getattr(self.gemv, "fold_norms", False)) and self.layer_ops is not None
+
+    def attention_out(self, module, out, step):
+        """The attention's o_proj for ``out``: where the layer handed its residual and
+        post-attention norm (``StepArgs.attn_norm``) and the linears fold them, the residual is
+        updated in place and the norm returned (``attn_norm`` becomes ``FOLDED``); else the
+        projection (``linear``)."""
+        pending = step.attn_norm
+        if pending is not None and pending is not FOLDED:
+            residual, norm = pending
+            normed = self.gemv.add_norm(module, out, residual, norm.weight,
+                                        norm.variance_epsilon)
+            if normed is not None:
+                step.attn_norm = FOLDED
+                return normed
+        return self.linear(module, out)
+
+    def swiglu_mlp_norm(self, mlp, x, residual, norm):
+        """``(residual + mlp(x), norm(that))`` in two launches, or None (the caller runs
+        ``swiglu_mlp`` and the next layer its own norm)."""
+        fn = getattr(self.gemv, "swiglu_mlp_norm", None)
+        if fn is None or not self.folds_norms:
+            return None
+        return fn(mlp.gate_up_proj, mlp.down_proj, x, residual, norm.weight,
+                  norm.variance_epsilon)
 
     def mlp_tail(self, down_proj, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one compiled kernel (``gemv.Gemv``), or
@@ -162,10 +193,12 @@ class Fusion:
         """Give every decoder layer its fused one-token variant (idempotent; inert without
         ``PAGED_KWARG`` or when the step's fusion has no layer ops). ``patches``: as
         ``step.patch_attention``."""
-        for layer in language_model.model.layers:
+        layers = list(language_model.model.layers)
+        for i, layer in enumerate(layers):
             current = layer._forward_und
             if not getattr(current, "__graphdecode__", False):
-                patched = _fused_layer_forward_und(layer, current)
+                following = weakref.ref(layers[i + 1]) if i + 1 < len(layers) else None
+                patched = _fused_layer_forward_und(layer, current, following)
                 if patches is not None:
                     patches.set(layer, "_forward_und", patched)
                 else:
@@ -388,7 +421,9 @@ def _is_silu(act) -> bool:
             and "forward" not in vars(act))
 
 
-def _fused_layer_forward_und(layer, original):
+def _fused_layer_forward_und(layer, original, following=None):
+    """``following``: a weak reference to the next decoder layer (None for the last), whose
+    input norm this layer's down launch computes where the step's linears fold norms."""
     @functools.wraps(original)
     def _forward_und(hidden_states, indexes, attention_mask, past_key_values, **kwargs):
         step = kwargs.get(PAGED_KWARG)
@@ -396,13 +431,28 @@ def _fused_layer_forward_und(layer, original):
         if ops is None:
             return original(hidden_states, indexes, attention_mask, past_key_values, **kwargs)
         ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
-        x = ops.rms_norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        handed, step.normed = step.normed, None
+        if handed is not None and handed[0] is hidden_states:
+            x = handed[1]  # the previous layer's down launch normalised this layer's input
+        else:
+            x = ops.rms_norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        fold = step.fusion.folds_norms
+        # hidden_states is this step's own tensor: the embedding or the previous layer's output.
+        step.attn_norm = (hidden_states, ln2) if fold else None
         x = layer.self_attn(x, image_gen_indicators=None, exist_und=True, exist_gen=False,
                             indexes=indexes, attention_mask=attention_mask,
                             past_key_values=past_key_values, **kwargs)
-        # hidden_states <- hidden_states + x (the residual stream), x <- its post-attention norm.
-        # hidden_states is this step's own tensor: the embedding or the previous layer's output.
-        ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
+        folded, step.attn_norm = step.attn_norm is FOLDED, None
+        if not folded:
+            # hidden_states <- hidden_states + x (the residual stream), x <- its
+            # post-attention norm (the o_proj launch did both where ``folded``).
+            ops.add_rms_norm_(x, hidden_states, ln2.weight, ln2.variance_epsilon)
+        nxt = following() if fold and following is not None else None
+        if nxt is not None and getattr(nxt._forward_und, "__graphdecode__", False):
+            got = step.fusion.swiglu_mlp_norm(mlp, x, hidden_states, nxt.input_layernorm)
+            if got is not None:
+                step.normed = got
+                return got[0]
         fused = step.fusion.swiglu_mlp(mlp, x, hidden_states)
         if fused is not None:
             return fused

@@ -155,7 +155,7 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
                                               layout.rope_input(indexes, kwargs), step)
             out = step.cache.attend_stored(attn.layer_idx, query, attn.scaling)
             out = out.reshape(*hidden_states.shape[:-1], -1)
-            return fusion.linear(attn.o_proj, out)
+            return fusion.attention_out(attn.o_proj, out, step)
         if fusion is not None and fusion.rope_kernel is not None:
             query, key, value = fusion.project_and_rope(attn, hidden_states, indexes, step)
         else:
@@ -166,7 +166,7 @@ def _paged_forward_und(attn, original, layout: layouts.Layout):
         out = step.cache.attend(attn.layer_idx, query, key, value, attn.scaling)
         out = out.reshape(*hidden_states.shape[:-1], -1)
         if fusion is not None:
-            return fusion.linear(attn.o_proj, out)
+            return fusion.attention_out(attn.o_proj, out, step)
         out, _ = attn.o_proj(out)
         return out
 

@@ -11,11 +11,19 @@ PAGED_KWARG = "graphdecode_paged_kv"
 
 class StepArgs:
     """``PAGED_KWARG``'s value for one decode step: the paged cache, the fused step's parts (or
-    None), and the rope tables once the first layer has computed them."""
+    None), and the rope tables once the first layer has computed them. ``normed``: (a layer's
+    output, its next layer's input norm) where the layer's down launch computed that norm;
+    ``attn_norm``: what the layer running hands its o_proj launch to fold in (the residual and
+    the post-attention norm), ``FOLDED`` once that launch did (``fused_step``)."""
 
-    __slots__ = ("cache", "fusion", "rope")
+    __slots__ = ("cache", "fusion", "rope", "normed", "attn_norm")
 
     def __init__(self, cache, fusion):
         self.cache = cache
         self.fusion = fusion
         self.rope = None
+        self.normed = None
+        self.attn_norm = None
+
+
+FOLDED = "folded"  # ``StepArgs.attn_norm`` once the o_proj launch added and normalised

@@ -165,7 +165,8 @@ class Fp8GemvWeight:
 def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
          silu_mul: bool = False, residual: torch.Tensor | None = None,
-         swiglu_out: bool = False, halves: bool = False) -> torch.Tensor:
+         swiglu_out: bool = False, halves: bool = False, norm=None,
+         counts: torch.Tensor | None = None):
     """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual,
     or (``swiglu_out``) a SwiGLU output.
 
@@ -179,7 +180,13 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     reads its gate rows from the first half and their up rows from the second (no re-ordered
     copy). ``w8`` may be the bf16 weight itself and ``scale`` None (no scale: the bf16 row GEMV,
     ``ops/row_linears.py``). Returns [..., N] in ``x``'s dtype (``out``: [M, N] to write
-    into)."""
+    into, ``residual`` itself included: each program reads its outputs' residual before it
+    writes them).
+
+    ``norm`` = (weight [N], eps) with ``counts`` (int32 zeros, one per row at least; left at
+    zero): returns ``(out, rms_norm(out))``, the norm computed by the program that writes a row's
+    last block (an atomic count per row) as vLLM's ``rms_norm`` rounds it (``NORM``): one launch
+    where the step ran two."""
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -201,6 +208,11 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     if out is None:
         out = torch.empty(m, width_out, dtype=x.dtype, device=x.device)
     grid = (-(-n // cfg.block_n), m)  # ceil: no per-call import on the eager path
+    normed = None
+    if norm is not None:
+        if swiglu_out or counts is None or counts.numel() < m:
+            raise ValueError("norm needs a plain output and a count per row")
+        normed = torch.empty_like(out)
     if scale is None:
         scale = out  # not read (HAS_SCALE off): any pointer
     _kernel()[grid](
@@ -210,9 +222,20 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_RESIDUAL=res is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWIGLU_OUT=swiglu_out,
-        HAS_SCALE=scale is not out, HALVES=halves, num_warps=cfg.num_warps,
+        HAS_SCALE=scale is not out, HALVES=halves,
+        norm_w_ptr=out if norm is None else norm[0], norm_out_ptr=out if normed is None
+        else normed, count_ptr=out if counts is None else counts,
+        norm_eps=1e-6 if norm is None else float(norm[1]), NORM=norm is not None,
+        NORM_N=_next_pow2(n) if norm is not None else 16, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
+    if normed is not None:
+        return (out.reshape(*x.shape[:-1], width_out),
+                normed.reshape(*x.shape[:-1], width_out))
     return out.reshape(*x.shape[:-1], width_out)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 1).bit_length()
 
 
 def pair_rows(n: int, device=None) -> torch.Tensor:
@@ -247,7 +270,9 @@ def _define(triton, tl):
                  SILU_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_N: tl.constexpr,
                  EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SWIGLU_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = True,
-                 HALVES: tl.constexpr = False):
+                 HALVES: tl.constexpr = False, norm_w_ptr=None, norm_out_ptr=None,
+                 count_ptr=None, norm_eps=1e-6, NORM: tl.constexpr = False,
+                 NORM_N: tl.constexpr = 16):
         # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
         # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
         # are summed once at the end, so a row's order depends on the block sizes only.
@@ -304,6 +329,25 @@ def _define(triton, tl):
                 res = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_mask, other=0.0)
                 out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + row * stride_om + offs_n, out, mask=n_mask)
+            if NORM:
+                # The program that writes the row's last block normalises the whole row as
+                # vLLM's rms_norm kernel rounds it: the squares summed in fp32, x * rsqrt(mean +
+                # eps) rounded to the row's dtype, times the weight, rounded again. Every
+                # thread's stores before the count (release); the last to count sees every
+                # block (acquire); it puts the count back to zero.
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+                if done == tl.num_programs(0) - 1:
+                    cols = tl.arange(0, NORM_N)
+                    c_mask = cols < N
+                    h = tl.load(out_ptr + row * stride_om + cols, mask=c_mask, other=0.0,
+                                cache_modifier=".cg").to(tl.float32)
+                    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + norm_eps)
+                    y = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    w = tl.load(norm_w_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
+                    tl.store(norm_out_ptr + row * stride_om + cols,
+                             (y * w).to(out_ptr.dtype.element_ty), mask=c_mask)
+                    tl.atomic_xchg(count_ptr + row, 0, sem="relaxed")
 
     return fp8_gemv
 
