@@ -13,6 +13,11 @@ read over that time. ``max_abs_diff`` is against fp32 attention over the same ke
   ``block_table`` (block size 16, the plugin's), ``fa_version`` 3 or 2. FA2 has no sm_90 machine
   code in vllm's wheel: its first call JIT-compiles PTX for ~106 s (measured on the H200, CONTRIBUTING.md), so it runs only when
   ``--fa`` names 2, after a warm-up call.
+- ``--cases attention_layouts`` (rows ``attention_layouts_ctxN``): FA3 alone on the one-request
+  step's cache, whose block table is the identity, read as 16-key pages (the step's call), as
+  bigger pages of the same memory, or as one plain sequence, each with FA3's split and with
+  fixed split counts; whether each answer is bit-equal to the step's call
+  (``benchmarks/results/h100-2026-12-07b``: nothing there worth a change).
 - FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, page size 16, CUDA-graph mode, planned
   once per context outside the graph). vllm 0.26.0 pins flashinfer-python 0.6.14, which is not in
   the offline bundle; ``scripts/gpu/build_flashinfer_bundle.sh`` packs its wheel into
@@ -392,3 +397,73 @@ def _measure_batch(call, layers: _BatchLayers, active: int) -> dict:
     kv_bytes = 2 * active * layers.ctx * KV_HEADS * HEAD_DIM * 2
     return {"us": round(us, 2), "kv_gb_s": round(kv_bytes / (us * 1e-6) / 1e9, 1),
             "max_abs_diff": round(diff, 5)}
+
+
+# -- the one-request step's cache read other ways: same memory, same keys --------------------
+
+def _fa3_layout_call(layers: _Layers, layout: str, splits: int = 0, pack_gqa=None):
+    """FA3 over ``layers``' K/V as the one-request step would call it with its plan made once
+    (``scheduler_metadata``, as ``ops.attention._fa3_schedule`` does), reading the identity-table
+    cache (``decode/paged.py``) as: ``page16`` (the step's call today), ``pageN`` (the same
+    memory viewed as N-key pages, the table ``arange``) or ``contiguous`` (one (1, keys, h, d)
+    sequence, no table: FA3's non-paged loads)."""
+    from vllm.vllm_flash_attn.flash_attn_interface import (flash_attn_varlen_func,
+                                                           get_scheduler_metadata)
+
+    ctx = layers.ctx
+    if layout == "contiguous":
+        page, table = None, None
+        ks = [k.view(1, ctx, KV_HEADS, HEAD_DIM) for k in layers.k]
+        vs = [v.view(1, ctx, KV_HEADS, HEAD_DIM) for v in layers.v]
+    else:
+        page = int(layout.removeprefix("page"))
+        table = torch.arange(ctx // page, dtype=torch.int32, device="cuda")[None]
+        ks = [k.view(-1, page, KV_HEADS, HEAD_DIM) for k in layers.k]
+        vs = [v.view(-1, page, KV_HEADS, HEAD_DIM) for v in layers.v]
+    plan = get_scheduler_metadata(
+        batch_size=1, max_seqlen_q=1, max_seqlen_k=ctx, num_heads_q=Q_HEADS,
+        num_heads_kv=KV_HEADS, headdim=HEAD_DIM, cache_seqlens=layers.seqused,
+        qkv_dtype=torch.bfloat16, cu_seqlens_q=layers.cu_seqlens_q, page_size=page,
+        causal=False, num_splits=splits, pack_gqa=pack_gqa)
+
+    def call(i):
+        return flash_attn_varlen_func(
+            layers.q[i], ks[i], vs[i], max_seqlen_q=1, cu_seqlens_q=layers.cu_seqlens_q,
+            max_seqlen_k=ctx, seqused_k=layers.seqused, block_table=table,
+            softmax_scale=layers.scale, causal=False, fa_version=3, scheduler_metadata=plan,
+            num_splits=splits)
+
+    call.keep = (plan, table)
+    return call
+
+
+LAYOUTS = ("page16", "page64", "page128", "page256", "contiguous")
+LAYOUT_SPLITS = (0, 1, 2, 4, 8, 16, 32)
+
+
+def bench_attention_layouts(args, rows, env, log):
+    """Rows ``attention_layouts_ctxN``: FA3's us per call on the one-request step's cache for
+    each layout in ``LAYOUTS`` with FA3's own split (0), and for ``page16`` and ``contiguous``
+    each fixed split count in ``LAYOUT_SPLITS``; ``same_as_page16``: the output bit-equal to the
+    step's call today."""
+    for ctx in args.contexts:
+        layers = _Layers(ctx, seed=ctx)
+        row = {"kv_bytes_per_call": layers.kv_bytes, "layers_per_graph": LAYERS}
+        base = [_fa3_layout_call(layers, "page16")(i) for i in (0, LAYERS - 1)]
+        variants = [(lay, 0) for lay in LAYOUTS] + [
+            (lay, s) for lay in ("page16", "contiguous") for s in LAYOUT_SPLITS if s]
+        for lay, splits in variants:
+            name = f"{lay}_splits{splits}" if splits else lay
+            try:
+                call = _fa3_layout_call(layers, lay, splits)
+                got = _measure(call, layers)
+                outs = [call(i) for i in (0, LAYERS - 1)]
+                got["same_as_page16"] = all(torch.equal(a, b) for a, b in zip(outs, base))
+                row[name] = got
+            except Exception as exc:
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rows.append({"case": f"attention_layouts_ctx{ctx}", **row})
+        log(f"attention layouts ctx {ctx}: " + "; ".join(
+            f"{k} {v.get('us', v.get('error'))}" for k, v in row.items() if isinstance(v, dict)))
+        del layers
+        torch.cuda.empty_cache()

@@ -896,6 +896,12 @@ def bench_attention(args, rows, env):
     attention_kernels.bench_attention(args, rows, env, log)
 
 
+def bench_attention_layouts(args, rows, env):
+    import attention_kernels
+
+    attention_kernels.bench_attention_layouts(args, rows, env, log)
+
+
 def bench_batch_attention(args, rows, env):
     import attention_kernels
 
@@ -910,6 +916,7 @@ CASES = {"sensenova_decode": bench_sensenova, "sensenova_sampled": bench_sampled
          "qwen_image_21_step": bench_qwen,
          "memory": bench_memory, "profile": bench_profile, "attention": bench_attention,
          "batch_attention": bench_batch_attention,
+         "attention_layouts": bench_attention_layouts,
          "qwen_profile": bench_qwen_profile}
 
 
