@@ -1020,3 +1020,54 @@ def test_gpu_rowgemv_folds_the_layer_norms_into_its_o_proj_and_down_launches(gpu
         decoder.release()
     print(f"folded against unfolded norms: worst {worst:.3g} of the largest logit")
     assert worst < 3e-2
+
+
+def test_gpu_rowgemv_runs_its_norms_apart_where_its_first_call_is_inside_a_capture(gpu):
+    """The norm folds' fallback, forced: a ``RowLinears`` whose first call is inside a graph
+    capture (no count buffer can be made there) answers None for ``add_norm`` and
+    ``swiglu_mlp_norm`` without launching (the step runs o_proj, the MLP and vLLM's norms apart,
+    as without the folds); the next call outside the capture makes the buffer and folds: the
+    sums the unfolded launches' bits, the norms within bf16 rounding of the norm apart, the
+    counts back at zero."""
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+    from vllm_omni_graphdecode.ops.layer_ops import REFERENCE_LAYER_OPS as ref
+
+    linears, why = sensenova_wiring.row_gemv_linears("cuda", 1)
+    assert why == [] and linears.fold_norms and linears._counts == {}
+    layer, nxt = gpu.lm.model.layers[0], gpu.lm.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    ln2, ln1 = layer.post_attention_layernorm, nxt.input_layernorm
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1, 1, attn.o_proj.weight.shape[1], generator=g, device="cuda").bfloat16()
+    h = torch.randn(1, 1, mlp.gate_up_proj.weight.shape[1], generator=g, device="cuda").bfloat16()
+    residual = torch.randn(1, 1, attn.o_proj.weight.shape[0], generator=g,
+                           device="cuda").bfloat16()
+    kept = residual.clone()
+    with torch.inference_mode():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            a = linears.add_norm(attn.o_proj, x, residual, ln2.weight, ln2.variance_epsilon)
+            b = linears.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, h, residual,
+                                        ln1.weight, ln1.variance_epsilon)
+        assert a is None and b is None and linears._counts == {}
+        assert torch.equal(residual, kept)  # nothing ran
+
+        def close(got, want):  # the squares summed in another order: within two bf16 steps
+            return float((got.float() - want.float()).abs().max()) <= (
+                2 * 2.0 ** -7 * float(want.float().abs().max()) + 1e-3)
+
+        plain = fp8_gemv.gemv(x, attn.o_proj.weight, None, attn.o_proj.bias,
+                              linears._config(attn.o_proj.weight), residual=residual)
+        normed = linears.add_norm(attn.o_proj, x, residual, ln2.weight, ln2.variance_epsilon)
+        counts = linears._counts.get(residual.device)
+        assert normed is not None and counts is not None
+        torch.cuda.synchronize()
+        assert torch.equal(residual, plain.view(residual.shape))
+        assert close(normed, ref.rms_norm(plain, ln2.weight, ln2.variance_epsilon))
+        want = linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, h, residual)
+        out, normed = linears.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, h, residual,
+                                              ln1.weight, ln1.variance_epsilon)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert close(normed, ref.rms_norm(want, ln1.weight, ln1.variance_epsilon))
+        assert not counts.any()
