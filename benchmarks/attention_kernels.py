@@ -401,7 +401,7 @@ def _measure_batch(call, layers: _BatchLayers, active: int) -> dict:
 
 # -- the one-request step's cache read other ways: same memory, same keys --------------------
 
-def _fa3_layout_call(layers: _Layers, layout: str, splits: int = 0, pack_gqa=None):
+def _fa3_layout_call(layers: _Layers, layout: str, splits: int = 0):
     """FA3 over ``layers``' K/V as the one-request step would call it with its plan made once
     (``scheduler_metadata``, as ``ops.attention._fa3_schedule`` does), reading the identity-table
     cache (``decode/paged.py``) as: ``page16`` (the step's call today), ``pageN`` (the same
@@ -424,7 +424,7 @@ def _fa3_layout_call(layers: _Layers, layout: str, splits: int = 0, pack_gqa=Non
         batch_size=1, max_seqlen_q=1, max_seqlen_k=ctx, num_heads_q=Q_HEADS,
         num_heads_kv=KV_HEADS, headdim=HEAD_DIM, cache_seqlens=layers.seqused,
         qkv_dtype=torch.bfloat16, cu_seqlens_q=layers.cu_seqlens_q, page_size=page,
-        causal=False, num_splits=splits, pack_gqa=pack_gqa)
+        causal=False, num_splits=splits)
 
     def call(i):
         return flash_attn_varlen_func(
