@@ -737,10 +737,14 @@ def bench_profile(args, rows, env):
     fp8_name = f"sensenova_graph_fp8{'_lmhead' if head else ''}_ctx{ctx}"
     graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
               (fp8_name, k, "graph_fp8"), (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv"),
-              (f"sensenova_graph_rowgemv_nofold_ctx{ctx}", k, "graph_rowgemv_nofold")]
+              (f"sensenova_graph_rowgemv_nofold_ctx{ctx}", k, "graph_rowgemv_nofold"),
+              (f"sensenova_graph_rowgemv_pdl_ctx{ctx}", k, "graph_rowgemv_pdl"),
+              (f"sensenova_graph_rowgemv_pdlwait_ctx{ctx}", k, "graph_rowgemv_pdlwait")]
     fusions = {"graph_fp8": lambda: _fp8_fusion(lm, device, head),
                "graph_rowgemv": lambda: _rowgemv_fusion(lm, device),
-               "graph_rowgemv_nofold": lambda: _rowgemv_fusion(lm, device, fold_norms=False)}
+               "graph_rowgemv_nofold": lambda: _rowgemv_fusion(lm, device, fold_norms=False),
+               "graph_rowgemv_pdl": lambda: _rowgemv_fusion(lm, device, pdl="prefetch"),
+               "graph_rowgemv_pdlwait": lambda: _rowgemv_fusion(lm, device, pdl="wait")}
     for name, per_launch, part in graphs:
         if part not in parts:
             continue
@@ -788,17 +792,19 @@ PROFILE_PARTS = ("graph", "graph_k1", "eager", "qwen")  # the default; the graph
 # parts on request
 
 
-def _rowgemv_fusion(lm, device, fold_norms=True):
+def _rowgemv_fusion(lm, device, fold_norms=True, pdl=None):
     """The fused step with the bf16 row GEMV (``..._SENSENOVA_STEP=rowgemv`` at one row, the head
     included), or the error why not. ``fold_norms=False`` (the profile part
     ``graph_rowgemv_nofold``): the RMSNorms in launches of their own, as before issue #42's
-    folds, for the A/B in one process."""
+    folds, for the A/B in one process. ``pdl`` (``graph_rowgemv_pdl`` / ``_pdlwait``): every
+    GEMV a programmatic dependent launch in that mode (``fp8.gemv.gemv``'s ``pdl``)."""
     from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
 
     linears, why = sensenova_wiring.row_gemv_linears(device, 1, lm)
     if linears is None or why:
         raise RuntimeError(f"no row GEMV: {[w.describe() for w in why]}")
     linears.fold_norms = fold_norms
+    linears.pdl = pdl  # graph_rowgemv_pdl(wait): each GEMV a programmatic dependent launch
     return fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
 
 
@@ -975,7 +981,10 @@ def main():
                     help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
                          "FP8 copies), graph_rowgemv (the bf16 row GEMV step), "
                          "graph_rowgemv_nofold (the same, its RMSNorms in launches of their "
-                         "own), eager, qwen (default: all but graph_fp8 and the graph_rowgemv "
+                         "own), graph_rowgemv_pdl / graph_rowgemv_pdlwait (the same, each GEMV "
+                         "a programmatic dependent launch, its first weight block asked into "
+                         "L2 before it waits, or not), eager, qwen (default: all but graph_fp8 "
+                         "and the graph_rowgemv "
                          "parts)")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]

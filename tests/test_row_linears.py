@@ -232,3 +232,79 @@ def test_row_gemv_folds_the_norms_after_o_proj_and_down_under_triton_interpreter
     program returning the next layer's input norm. The sums equal the unfolded launches bit for
     bit, the norms vLLM's contract within bf16 rounding, the counts back at zero."""
     _run_interpreted(FOLDS_INTERPRETED)
+
+
+def test_row_gemv_dependent_launch_modes_are_checked_and_need_a_compiled_hopper_launch():
+    """``gemv``'s ``pdl`` (issue #42's experiment): an unknown mode names the accepted ones; a
+    known one off a compiled launch on compute capability 9.0+ (here: CPU tensors) is refused,
+    naming the device, before anything launches."""
+    import pytest
+
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"pdl='early': accepted: None, 'prefetch', 'wait'"):
+        fp8_gemv.gemv(x, w, None, pdl="early")
+    for mode in ("prefetch", "wait"):
+        with pytest.raises(ValueError, match=r"compute capability 9\.0 or newer \(x is on cpu\)"):
+            fp8_gemv.gemv(x, w, None, pdl=mode)
+
+
+PDL_COMPILED = """
+import os
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+
+kernel = fp8_gemv._define(triton, tl)  # a compiled-mode JIT function: no interpreter here
+types = {"norm_eps": "fp32", "w_addr": "i64", "count_ptr": "*i32"}
+ints = ("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
+# The released shapes' two kinds of launch: o_proj's (a residual and the norm fold) and
+# gate-up's (its gate and up rows read from the weight's halves), each plain and in both modes.
+for halves in (False, True):
+    for mode in (None, "prefetch", "wait"):
+        consts = {"HAS_BIAS": False, "SILU_MUL": False, "HAS_RESIDUAL": not halves,
+                  "EVEN_N": True, "EVEN_K": True, "BLOCK_N": 16, "BLOCK_K": 512,
+                  "SWIGLU_OUT": halves, "HAS_SCALE": False, "HALVES": halves, "NORM": not halves,
+                  "NORM_N": 4096, "PDL": mode is not None, "PDL_PREFETCH": mode == "prefetch",
+                  "LANES": 256}
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32" if n in ints else "*bf16")
+               for n in kernel.arg_names}
+        src = triton.compiler.ASTSource(
+            fn=kernel, signature=sig,
+            constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 8}).asm["ptx"]
+        on = mode is not None
+        assert ("griddepcontrol.wait" in ptx) is on, (halves, mode)
+        assert ("griddepcontrol.launch_dependents" in ptx) is on, (halves, mode)
+        assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), (halves, mode)
+print("ok")
+"""
+
+
+def test_row_gemv_dependent_launch_compiles_for_hopper_with_its_wait_trigger_and_prefetch():
+    """The kernel compiled for sm_90 (Triton's own compiler and ptxas, no GPU needed): with
+    ``pdl`` it waits for the kernel before it (``griddepcontrol.wait``) and lets the next one
+    start (``griddepcontrol.launch_dependents``), "prefetch" adds the L2 bulk prefetch of each
+    row's first block, "wait" does not, and a plain launch has none of them; for o_proj's launch
+    (residual and norm fold) and gate-up's (gate and up rows from the weight's halves)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"this Triton has no CUDA compiler to build sm_90 code ({ptxas})")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PDL_COMPILED], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=root, check=False)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines and lines[-1] == "ok", proc.stderr[-3000:]

@@ -1071,3 +1071,36 @@ def test_gpu_rowgemv_runs_its_norms_apart_where_its_first_call_is_inside_a_captu
         assert torch.equal(out, want)
         assert close(normed, ref.rms_norm(want, ln1.weight, ln1.variance_epsilon))
         assert not counts.any()
+
+
+def test_gpu_rowgemv_dependent_launches_give_the_plain_launches_bits_in_graphs(gpu):
+    """The row GEMV's programmatic dependent launches (``fp8.gemv.gemv``'s ``pdl``, issue
+    #42's experiment, which only the benchmark's profile parts turn on): each launch waits for
+    the one before it before it reads anything but its weight, so the step's graphs give the
+    plain launches' logits bit for bit, with each program's first weight block asked into L2
+    first ("prefetch") or not ("wait"), over 64 replayed steps."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch: compute capability 9.0 or newer")
+    layout = _fused_layout(gpu)
+    decoders = {}
+    for mode in (None, "prefetch", "wait"):
+        linears, why = sensenova_wiring.row_gemv_linears("cuda", 1)
+        assert why == [], why
+        linears.pdl = mode
+        fusion = hook.Fusion.select(gpu.lm, layout, "cuda", linears=linears)
+        decoders[mode] = hook.paged_decoder(gpu.lm, kernel=gpu.kernel, buckets=(64, 128, 256),
+                                            graphs=True, fusion=fusion)
+    pipe = st.build_pipeline(gpu.lm, gpu.tok, device="cuda")
+    out, _, t_idx = st.prefill(pipe, gpu.ids)
+    for decoder in decoders.values():
+        decoder.begin(st.prefill(pipe, gpu.ids)[1])
+    token = out.logits[:, -1].argmax(-1)
+    with torch.inference_mode():
+        for step in range(64):
+            logits = {mode: d.step(token, t_idx + 1 + step) for mode, d in decoders.items()}
+            for mode in ("prefetch", "wait"):
+                assert torch.equal(logits[mode], logits[None]), (mode, step)
+            token = logits[None][:, -1].argmax(-1)
+    assert all(d.num_graphs >= 1 for d in decoders.values())
+    for decoder in decoders.values():
+        decoder.release()

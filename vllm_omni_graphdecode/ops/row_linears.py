@@ -83,6 +83,9 @@ class RowLinears:
         # ``fold_norms``: ``add_norm`` and ``swiglu_mlp_norm`` serve (the RMSNorm after o_proj
         # and after down computed by the launch's last program); else they answer None.
         self.fold_norms = fold_norms
+        # ``pdl``: every launch's ``fp8.gemv.gemv`` ``pdl`` mode (None: plain launches; the
+        # benchmark's profile parts set the others, an experiment of issue #42).
+        self.pdl = None
         self._counts: dict[torch.device, torch.Tensor] = {}
 
     def _counts_on(self, device: torch.device) -> torch.Tensor | None:
@@ -114,7 +117,7 @@ class RowLinears:
             return None
         _, normed = row_gemv.gemv(x, base.weight, None, base.bias, self._config(base.weight),
                                   out=residual.view(1, -1), residual=residual,
-                                  norm=(weight, eps), counts=counts)
+                                  norm=(weight, eps), counts=counts, pdl=self.pdl)
         return normed.view(residual.shape)
 
     def swiglu_mlp_norm(self, gate_up_module, down_module, x, residual, weight, eps):
@@ -130,7 +133,8 @@ class RowLinears:
         if act is None:
             return None
         out, normed = row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
-                                    residual=residual, norm=(weight, eps), counts=counts)
+                                    residual=residual, norm=(weight, eps), counts=counts,
+                                    pdl=self.pdl)
         return out.view(residual.shape), normed.view(residual.shape)
 
     def _config(self, weight: torch.Tensor) -> row_gemv.KernelConfig:
@@ -159,7 +163,8 @@ class RowLinears:
         base = self._base(module)
         if base is None:
             return module(x)[0]
-        return row_gemv.gemv(x, base.weight, None, base.bias, self._config(base.weight))
+        return row_gemv.gemv(x, base.weight, None, base.bias, self._config(base.weight),
+                             pdl=self.pdl)
 
     def swiglu_mlp(self, gate_up_module, down_module, x, residual):
         """``residual + down(silu(gate) * up)`` of ``x`` in two launches: the gate-up one reads
@@ -171,7 +176,7 @@ class RowLinears:
         if act is None:
             return None
         return row_gemv.gemv(act, down.weight, None, down.bias, self._config(down.weight),
-                             residual=residual)
+                             residual=residual, pdl=self.pdl)
 
     def _swiglu(self, gate_up_module, x):
         """silu(gate) * up of ``x`` in one launch, or None (not plain, or blocks do not pair)."""
@@ -181,7 +186,8 @@ class RowLinears:
         cfg = self._config(up.weight)
         if cfg.block_n % 2 or up.weight.shape[0] % cfg.block_n:
             return None
-        return row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True)
+        return row_gemv.gemv(x, up.weight, None, up.bias, cfg, swiglu_out=True, halves=True,
+                             pdl=self.pdl)
 
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down(silu(gate) * up)`` as one launch, or None where ``module`` is not
@@ -224,7 +230,8 @@ class RowLinears:
                 f"lm_head is now {type(module).__name__} (replaced, or a LoRA adapter active)"))
             return None
         weight = head.weight[:self._head[1]]
-        return row_gemv.gemv(hidden_states, weight, None, None, self._config(weight))
+        return row_gemv.gemv(hidden_states, weight, None, None, self._config(weight),
+                             pdl=self.pdl)
 
     def release(self) -> None:
         """Nothing to drop: the GEMV reads the modules' own weights."""

@@ -43,6 +43,7 @@ older GPUs keep Marlin (``available``).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -50,6 +51,9 @@ from ...core.reasons import Reason
 from ...graphs.compiling import triton_kernel
 from . import quant
 
+
+# A launch's programmatic-dependent-launch mode (``gemv``'s ``pdl``): None, or one of these.
+PDL_MODES = (None, "prefetch", "wait")
 
 NO_GEMV = Reason("one-row FP8 GEMV unavailable",
                  "a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper) with Triton; "
@@ -166,7 +170,7 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
          config: KernelConfig | None = None, out: torch.Tensor | None = None, *,
          silu_mul: bool = False, residual: torch.Tensor | None = None,
          swiglu_out: bool = False, halves: bool = False, norm=None,
-         counts: torch.Tensor | None = None):
+         counts: torch.Tensor | None = None, pdl: str | None = None):
     """``x @ (w8 * scale[:, None]).T + bias``, optionally with a SwiGLU input and a residual,
     or (``swiglu_out``) a SwiGLU output.
 
@@ -186,7 +190,21 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     ``norm`` = (weight [N], eps) with ``counts`` (int32 zeros, one per row at least; left at
     zero): returns ``(out, rms_norm(out))``, the norm computed by the program that writes a row's
     last block (an atomic count per row) as vLLM's ``rms_norm`` rounds it (``NORM``): one launch
-    where the step ran two."""
+    where the step ran two.
+
+    ``pdl`` (``PDL_MODES``; None: a plain launch): a programmatic dependent launch (compute
+    capability 9.0+, compiled Triton): the launch may start while the kernel before it in the
+    stream finishes; each program waits for that kernel (``gdc_wait``) before it reads anything
+    but the weight, and lets the kernel after it start once its weight loop is done
+    (``gdc_launch_dependents``). "prefetch": before waiting, each of its rows asks for its first
+    ``block_k`` weights in L2; "wait": it only waits. The same products and sums: the same bits.
+    An experiment (issue #42): nothing in the product turns it on yet."""
+    if pdl not in PDL_MODES:
+        raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
+    if pdl is not None and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+                            or torch.cuda.get_device_capability(x.device)[0] < 9):
+        raise ValueError(f"pdl={pdl!r} needs compiled Triton on a GPU of compute capability "
+                         f"9.0 or newer (x is on {x.device})")
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -226,8 +244,11 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
         norm_w_ptr=out if norm is None else norm[0], norm_out_ptr=out if normed is None
         else normed, count_ptr=out if counts is None else counts,
         norm_eps=1e-6 if norm is None else float(norm[1]), NORM=norm is not None,
-        NORM_N=_next_pow2(n) if norm is not None else 16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        NORM_N=_next_pow2(n) if norm is not None else 16,
+        w_addr=0 if pdl is None else w8.data_ptr(), PDL=pdl is not None,
+        PDL_PREFETCH=pdl == "prefetch", LANES=max(32 * cfg.num_warps, cfg.block_n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if pdl is None else {"launch_pdl": True}))
     if normed is not None:
         return (out.reshape(*x.shape[:-1], width_out),
                 normed.reshape(*x.shape[:-1], width_out))
@@ -264,6 +285,13 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
 
 def _define(triton, tl):
     """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
+    global _gdc_wait, _gdc_launch_dependents
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # an older Triton: compiling with PDL fails, naming these
+        gdc_launch_dependents = gdc_wait = None
+    _gdc_wait, _gdc_launch_dependents = gdc_wait, gdc_launch_dependents
+
     @triton.jit
     def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
                  stride_wn, stride_rm, stride_om, HAS_BIAS: tl.constexpr,
@@ -272,7 +300,8 @@ def _define(triton, tl):
                  SWIGLU_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = True,
                  HALVES: tl.constexpr = False, norm_w_ptr=None, norm_out_ptr=None,
                  count_ptr=None, norm_eps=1e-6, NORM: tl.constexpr = False,
-                 NORM_N: tl.constexpr = 16):
+                 NORM_N: tl.constexpr = 16, w_addr=0, PDL: tl.constexpr = False,
+                 PDL_PREFETCH: tl.constexpr = False, LANES: tl.constexpr = 128):
         # out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]) (+ res[m, n]): program
         # (pid_n, m). The [BLOCK_N, BLOCK_K] products accumulate elementwise in fp32 over K and
         # are summed once at the end, so a row's order depends on the block sizes only.
@@ -288,6 +317,24 @@ def _define(triton, tl):
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = x_ptr + row * stride_xm + offs_k
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if PDL:
+            if PDL_PREFETCH:
+                # Only the weight before the wait: it is no kernel's output. Each of the
+                # program's rows asks for its first BLOCK_K weights in L2 (``w_addr``: the
+                # weight's address); the whole block would not stay there (gate-up: 96 MiB).
+                lane = tl.arange(0, LANES)
+                if HALVES:
+                    w_row = pid_n * (BLOCK_N // 2) + lane // 2 + (lane % 2) * (N // 2)
+                else:
+                    w_row = pid_n * BLOCK_N + lane
+                elt: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+                size = tl.where((lane < BLOCK_N) & (w_row < N), BLOCK_K * elt, 0)
+                addr = w_addr + w_row.to(tl.int64) * stride_wn * elt
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                    "=r,l,r", [addr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+            _gdc_wait()
         for start in range(0, K, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
@@ -311,6 +358,8 @@ def _define(triton, tl):
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if PDL:  # the weight is read: the next launch may start
+            _gdc_launch_dependents()
         out = tl.sum(acc, axis=1)
         if HAS_SCALE:
             out = out * tl.load(scale_ptr + offs_n, mask=n_mask, other=1.0)
