@@ -197,8 +197,9 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     stream finishes; each program waits for that kernel (``gdc_wait``) before it reads anything
     but the weight, and lets the kernel after it start once its weight loop is done
     (``gdc_launch_dependents``). "prefetch": before waiting, each of its rows asks for its first
-    ``block_k`` weights in L2; "wait": it only waits. The same products and sums: the same bits.
-    An experiment (issue #42): nothing in the product turns it on yet."""
+    ``block_k`` weights in L2; "wait": it only waits. The same products and sums in the same
+    order as a plain launch. An experiment (issue #42, ``benchmarks/results/h100-2026-12-07c``):
+    nothing in the product turns it on yet."""
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
     if pdl is not None and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
