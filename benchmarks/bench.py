@@ -222,6 +222,8 @@ def bench_sensenova(args, rows, env):
         texts, by_name = {}, {}
         intree_ms = rows[-1].get("ours_ms") if is_030 and not args.no_intree else None
         for name, fa, env_over in _plugin_variants(args, ctx):
+            env_over = dict(env_over)
+            pdl = env_over.pop("_pdl", None)
             cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                                 "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
                                 "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
@@ -234,6 +236,13 @@ def bench_sensenova(args, rows, env):
                 rows.append(common.case(name, eager, None, floor, error=repr(exc)))
                 continue
             wiring = getattr(pipe, sensenova_u1.STATE_ATTR)
+            if pdl is not None:  # BENCH_STEP_MODES: before the first capture
+                linears = getattr(wiring.fusion, "gemv", None)
+                if not hasattr(linears, "pdl"):
+                    rows.append(common.case(name, eager, None, floor,
+                                            error=f"no row GEMV linears to set pdl on: {linears}"))
+                    continue
+                linears.pdl = pdl
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             gate = _gate_ms(wiring)
             snap = stats.snapshot()
@@ -242,13 +251,15 @@ def bench_sensenova(args, rows, env):
             k = cfg.tokens_per_launch
             log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
                 f"step {step}, {k} tokens/launch ({summary}; {snap['counters']})")
+            if pdl is not None:
+                step += f", each GEMV a programmatic dependent launch (pdl={pdl})"
             rows.append(common.case(name, eager, ours, floor,
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
                                     tokens_per_launch=k,
                                     sensenova_step=sensenova_wiring.resolve_step(
                                         cfg.sensenova_step, "cuda"),
-                                    request_gate_ms=gate,
+                                    request_gate_ms=gate, **({"pdl": pdl} if pdl else {}),
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
             by_name[name] = rows[-1]
@@ -406,6 +417,10 @@ def _step_mode_fields(args, ctx, by_name, texts, intree_ms) -> None:
             if name in texts and base_name in texts:
                 row["agree_tokens_vs_fused"] = _agree(texts[name], texts[base_name])
                 row["agree_of"] = min(len(texts[name].split()), len(texts[base_name].split()))
+            plain = by_name.get(f"sensenova_decode_ctx{ctx}_fa{fa}_rowgemv{suffix}")
+            if mode in BENCH_STEP_MODES and plain and plain.get("ours_ms"):
+                row["rowgemv_ms"] = plain["ours_ms"]
+                row["speedup_vs_rowgemv"] = common.significant(plain["ours_ms"] / row["ours_ms"])
             log(f"ctx {ctx}: {mode}{suffix} {row['ours_ms']} ms/token against fused "
                 f"{row['fused_ms']}; agree {row.get('agree_tokens_vs_fused')} of "
                 f"{row.get('agree_of')}")
@@ -463,6 +478,19 @@ def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None, name=None)
 
 # The default rows' step: ``fused`` (cuBLAS), as every committed results file's default rows.
 FUSED = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fused"}
+# ``--step-modes`` the benchmark adds to the setting's own: the ``rowgemv`` step with each GEMV a
+# programmatic dependent launch in that ``fp8.gemv.gemv`` ``pdl`` mode (an experiment of issue
+# #42 that no setting turns on), set on the wired step's linears after install.
+BENCH_STEP_MODES = {"rowgemv_pdl": ("rowgemv", "prefetch"), "rowgemv_pdlwait": ("rowgemv", "wait")}
+
+
+def _step_mode_settings(mode: str) -> dict:
+    """The settings of a ``--step-modes`` row (``_pdl``: the benchmark's own, popped before the
+    settings are parsed)."""
+    if mode in BENCH_STEP_MODES:
+        step, pdl = BENCH_STEP_MODES[mode]
+        return {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": step, "_pdl": pdl}
+    return {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode}
 
 
 def _plugin_variants(args, ctx):
@@ -481,11 +509,9 @@ def _plugin_variants(args, ctx):
         for r in range(1, max(1, args.repeats)):
             variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_r{r + 1}", fa, dict(FUSED)))
             variants += [(f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}_r{r + 1}", fa,
-                          {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
-                         for mode in args.step_modes]
+                          _step_mode_settings(mode)) for mode in args.step_modes]
         variants[1:1] = [(f"sensenova_decode_ctx{ctx}_fa{fa}_{mode}", fa,
-                          {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})
-                         for mode in args.step_modes]
+                          _step_mode_settings(mode)) for mode in args.step_modes]
         if args.exact:
             variants.append((f"sensenova_decode_ctx{ctx}_fa{fa}_exact", fa,
                              {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "exact"}))
@@ -949,7 +975,9 @@ def main():
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
     ap.add_argument("--step-modes", type=lambda v: [m for m in v.split(",") if m], default=[],
                     help="..._SENSENOVA_STEP modes timed beside the default row (e.g. rowgemv), "
-                         "with their token agreement against it")
+                         "with their token agreement against it; also rowgemv_pdl / "
+                         "rowgemv_pdlwait (the rowgemv step, each GEMV a programmatic dependent "
+                         "launch: the benchmark's own, against the rowgemv row of its repeat)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="times the default row and each --step-modes row run, alternated")
     ap.add_argument("--no-exact", dest="exact", action="store_false",
@@ -992,6 +1020,8 @@ def main():
     args.tokens_per_launch = [int(k) for k in args.tokens_per_launch.split(",") if k]
     args.qwen_modes = [m for m in args.qwen_modes.split(",") if m]
     for mode in args.step_modes:  # an unknown mode: the setting's own message
+        if mode in BENCH_STEP_MODES:
+            continue
         try:
             config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                           "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": mode})

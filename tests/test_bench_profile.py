@@ -314,3 +314,48 @@ def test_profile_parts_pick_the_profiles_and_fp8_says_why_it_cannot_run_here(tmp
     assert list(profiles) == ["sensenova_graph_fp8_ctx20"]
     assert "no FP8 copies" in profiles["sensenova_graph_fp8_ctx20"]["error"]
     assert "FP8 weights unavailable" in profiles["sensenova_graph_fp8_ctx20"]["error"]
+
+
+def test_pdl_step_modes_run_the_rowgemv_step_and_are_compared_with_its_row():
+    """``--step-modes rowgemv,rowgemv_pdl`` (the benchmark's own mode, no setting): its rows
+    set ``..._SENSENOVA_STEP=rowgemv`` plus the ``pdl`` mode to put on the wired linears,
+    alternate with the others every repeat, and each carries ``speedup_vs_rowgemv`` against the
+    ``rowgemv`` row of its repeat; the mode passes the command line's check where an unknown
+    one is refused with the setting's own message."""
+    import bench
+
+    args = SimpleNamespace(fa=["3"], tokens_per_launch=[], repeats=2, exact=False, fp8=False,
+                           fp8_lm_head=False, step_modes=["rowgemv", "rowgemv_pdl"])
+    variants = bench._plugin_variants(args, 2048)
+    names = [name for name, _, _ in variants]
+    assert names == ["sensenova_decode_ctx2048_fa3", "sensenova_decode_ctx2048_fa3_rowgemv",
+                     "sensenova_decode_ctx2048_fa3_rowgemv_pdl", "sensenova_decode_ctx2048_fa3_r2",
+                     "sensenova_decode_ctx2048_fa3_rowgemv_r2",
+                     "sensenova_decode_ctx2048_fa3_rowgemv_pdl_r2"]
+    settings = dict((name, env) for name, _, env in variants)
+    assert settings["sensenova_decode_ctx2048_fa3_rowgemv_pdl"] == {
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv", "_pdl": "prefetch"}
+    assert "_pdl" not in settings["sensenova_decode_ctx2048_fa3_rowgemv"]
+    by_name = {name: {"ours_ms": ms} for name, ms in zip(names, (8.0, 7.0, 6.9, 8.1, 7.2, 7.0))}
+    bench._step_mode_fields(args, 2048, by_name, {}, None)
+    pdl, pdl2 = (by_name["sensenova_decode_ctx2048_fa3_rowgemv_pdl" + s] for s in ("", "_r2"))
+    assert (pdl["rowgemv_ms"], pdl2["rowgemv_ms"]) == (7.0, 7.2)
+    assert pdl["speedup_vs_rowgemv"] == pytest.approx(7.0 / 6.9, rel=1e-3)
+    assert pdl2["speedup_vs_rowgemv"] == pytest.approx(7.2 / 7.0, rel=1e-3)
+    assert "speedup_vs_rowgemv" not in by_name["sensenova_decode_ctx2048_fa3_rowgemv"]
+
+
+def test_step_modes_on_the_command_line_take_the_benchmarks_own_and_refuse_unknown(monkeypatch,
+                                                                                 capsys):
+    import bench
+
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--out", "/tmp/x", "--cases", "nope",
+                                      "--step-modes", "rowgemv,rowgemv_pdlwait"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "unknown case(s) nope" in capsys.readouterr().err  # the modes passed their check
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--out", "/tmp/x", "--step-modes", "fast"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    err = capsys.readouterr().err
+    assert "--step-modes" in err and "'fast'" in err
