@@ -261,13 +261,15 @@ from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 kernel = fp8_gemv._define(triton, tl)  # a compiled-mode JIT function: no interpreter here
 types = {"norm_eps": "fp32", "w_addr": "i64", "count_ptr": "*i32"}
 ints = ("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
-# The released shapes' two kinds of launch: o_proj's (a residual and the norm fold) and
-# gate-up's (its gate and up rows read from the weight's halves), each plain and in both modes.
-for halves in (False, True):
+# The step's kinds of launch: qkv's and lm_head's (plain), o_proj's and down's (a residual and
+# the norm fold), gate-up's (its gate and up rows read from the weight's halves), each plain and
+# in both modes.
+for kind in ("plain", "fold", "halves"):
+    halves, fold = kind == "halves", kind == "fold"
     for mode in (None, "prefetch", "wait"):
-        consts = {"HAS_BIAS": False, "SILU_MUL": False, "HAS_RESIDUAL": not halves,
+        consts = {"HAS_BIAS": False, "SILU_MUL": False, "HAS_RESIDUAL": fold,
                   "EVEN_N": True, "EVEN_K": True, "BLOCK_N": 16, "BLOCK_K": 512,
-                  "SWIGLU_OUT": halves, "HAS_SCALE": False, "HALVES": halves, "NORM": not halves,
+                  "SWIGLU_OUT": halves, "HAS_SCALE": False, "HALVES": halves, "NORM": fold,
                   "NORM_N": 4096, "PDL": mode is not None, "PDL_PREFETCH": mode == "prefetch",
                   "LANES": 256}
         sig = {n: "constexpr" if n in consts else types.get(n, "i32" if n in ints else "*bf16")
@@ -278,9 +280,9 @@ for halves in (False, True):
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                              options={"num_warps": 8}).asm["ptx"]
         on = mode is not None
-        assert ("griddepcontrol.wait" in ptx) is on, (halves, mode)
-        assert ("griddepcontrol.launch_dependents" in ptx) is on, (halves, mode)
-        assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), (halves, mode)
+        assert ("griddepcontrol.wait" in ptx) is on, (kind, mode)
+        assert ("griddepcontrol.launch_dependents" in ptx) is on, (kind, mode)
+        assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), (kind, mode)
 print("ok")
 """
 
@@ -289,8 +291,9 @@ def test_row_gemv_dependent_launch_compiles_for_hopper_with_its_wait_trigger_and
     """The kernel compiled for sm_90 (Triton's own compiler and ptxas, no GPU needed): with
     ``pdl`` it waits for the kernel before it (``griddepcontrol.wait``) and lets the next one
     start (``griddepcontrol.launch_dependents``), "prefetch" adds the L2 bulk prefetch of each
-    row's first block, "wait" does not, and a plain launch has none of them; for o_proj's launch
-    (residual and norm fold) and gate-up's (gate and up rows from the weight's halves)."""
+    row's first block, "wait" does not, and a plain launch has none of them; for qkv's and
+    lm_head's launch (plain), o_proj's and down's (residual and norm fold) and gate-up's (gate
+    and up rows from the weight's halves)."""
     import os
     import subprocess
     import sys
