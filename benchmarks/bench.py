@@ -223,7 +223,7 @@ def bench_sensenova(args, rows, env):
         intree_ms = rows[-1].get("ours_ms") if is_030 and not args.no_intree else None
         for name, fa, env_over in _plugin_variants(args, ctx):
             env_over = dict(env_over)
-            pdl = env_over.pop("_pdl", None)
+            pdl = env_over.pop("_pdl", None)  # "plain": the linears' pdl set to None
             cfg = config.parse({"VLLM_OMNI_GRAPHDECODE": "sensenova_u1",
                                 "VLLM_OMNI_GRAPHDECODE_FA_VERSION": fa,
                                 "VLLM_OMNI_GRAPHDECODE_SENSENOVA_INTREE": "takeover",
@@ -242,7 +242,7 @@ def bench_sensenova(args, rows, env):
                     rows.append(common.case(name, eager, None, floor,
                                             error=f"no row GEMV linears to set pdl on: {linears}"))
                     continue
-                linears.pdl = pdl
+                linears.pdl = None if pdl == "plain" else pdl
             ours = _text_loop_ms(pipe, prefix_logits, make_cache, t_idx, steps)
             gate = _gate_ms(wiring)
             snap = stats.snapshot()
@@ -252,14 +252,18 @@ def bench_sensenova(args, rows, env):
             log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
                 f"step {step}, {k} tokens/launch ({summary}; {snap['counters']})")
             if pdl is not None:
-                step += f", each GEMV a programmatic dependent launch (pdl={pdl})"
+                step += (", each GEMV a plain launch" if pdl == "plain" else
+                         f", each GEMV a programmatic dependent launch (pdl={pdl})")
             rows.append(common.case(name, eager, ours, floor,
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
                                     tokens_per_launch=k,
                                     sensenova_step=sensenova_wiring.resolve_step(
                                         cfg.sensenova_step, "cuda"),
-                                    request_gate_ms=gate, **({"pdl": pdl} if pdl else {}),
+                                    request_gate_ms=gate,
+                                    **({"pdl": getattr(wiring.fusion.gemv, "pdl", None) or "plain"}
+                                       if hasattr(getattr(wiring.fusion, "gemv", None), "pdl")
+                                       else {}),
                                     counters=snap["counters"], fallbacks=snap["fallbacks"],
                                     degraded=snap.get("degraded")))
             by_name[name] = rows[-1]
@@ -478,10 +482,12 @@ def _fp8_fields(args, ctx, by_name, texts, intree_ms, fp8_floor=None, name=None)
 
 # The default rows' step: ``fused`` (cuBLAS), as every committed results file's default rows.
 FUSED = {"VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "fused"}
-# ``--step-modes`` the benchmark adds to the setting's own: the ``rowgemv`` step with each GEMV a
-# programmatic dependent launch in that ``fp8.gemv.gemv`` ``pdl`` mode (an experiment of issue
-# #42 that no setting turns on), set on the wired step's linears after install.
-BENCH_STEP_MODES = {"rowgemv_pdl": ("rowgemv", "prefetch"), "rowgemv_pdlwait": ("rowgemv", "wait")}
+# ``--step-modes`` the benchmark adds to the setting's own: the ``rowgemv`` step with each GEMV
+# launched in that ``fp8.gemv.gemv`` ``pdl`` mode ("plain": None, ordinary launches; the step's
+# own is ``fp8.gemv.dependent_launches``: "prefetch" on Hopper), set on the wired step's linears
+# after install.
+BENCH_STEP_MODES = {"rowgemv_plain": ("rowgemv", "plain"), "rowgemv_pdl": ("rowgemv", "prefetch"),
+                    "rowgemv_pdlwait": ("rowgemv", "wait")}
 
 
 def _step_mode_settings(mode: str) -> dict:
@@ -975,9 +981,10 @@ def main():
                     help="SenseNova-U1 decode: tokens per launch timed with the first FA version")
     ap.add_argument("--step-modes", type=lambda v: [m for m in v.split(",") if m], default=[],
                     help="..._SENSENOVA_STEP modes timed beside the default row (e.g. rowgemv), "
-                         "with their token agreement against it; also rowgemv_pdl / "
-                         "rowgemv_pdlwait (the rowgemv step, each GEMV a programmatic dependent "
-                         "launch: the benchmark's own, against the rowgemv row of its repeat)")
+                         "with their token agreement against it; also rowgemv_plain / "
+                         "rowgemv_pdl / rowgemv_pdlwait (the rowgemv step, its GEMVs plain "
+                         "launches or programmatic dependent launches in that mode: the "
+                         "benchmark's own, against the rowgemv row of its repeat)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="times the default row and each --step-modes row run, alternated")
     ap.add_argument("--no-exact", dest="exact", action="store_false",
@@ -1009,9 +1016,11 @@ def main():
                     help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
                          "FP8 copies), graph_rowgemv (the bf16 row GEMV step), "
                          "graph_rowgemv_nofold (the same, its RMSNorms in launches of their "
-                         "own), graph_rowgemv_pdl / graph_rowgemv_pdlwait (the same, each GEMV "
-                         "a programmatic dependent launch, its first weight block asked into "
-                         "L2 before it waits, or not), eager, qwen (default: all but graph_fp8 "
+                         "own; both with plain launches), graph_rowgemv_pdl / "
+                         "graph_rowgemv_pdlwait (the same, each GEMV a programmatic dependent "
+                         "launch, its first weight block asked into L2 before it waits, or not: "
+                         "the step's default on Hopper is the first), eager, qwen (default: all "
+                         "but graph_fp8 "
                          "and the graph_rowgemv "
                          "parts)")
     args = ap.parse_args()

@@ -343,6 +343,9 @@ def test_pdl_step_modes_run_the_rowgemv_step_and_are_compared_with_its_row():
     assert pdl["speedup_vs_rowgemv"] == pytest.approx(7.0 / 6.9, rel=1e-3)
     assert pdl2["speedup_vs_rowgemv"] == pytest.approx(7.2 / 7.0, rel=1e-3)
     assert "speedup_vs_rowgemv" not in by_name["sensenova_decode_ctx2048_fa3_rowgemv"]
+    # rowgemv_plain: the rowgemv step with plain launches, the A/B against the step's default.
+    assert bench._step_mode_settings("rowgemv_plain") == {
+        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": "rowgemv", "_pdl": "plain"}
 
 
 def test_step_modes_on_the_command_line_take_the_benchmarks_own_and_refuse_unknown(monkeypatch,

@@ -251,6 +251,28 @@ def test_row_gemv_dependent_launch_modes_are_checked_and_need_a_compiled_hopper_
             fp8_gemv.gemv(x, w, None, pdl=mode)
 
 
+def test_row_gemv_dependent_launches_are_the_default_on_hopper_only(monkeypatch):
+    """``dependent_launches``, what the hook gives the step's ``RowLinears``: "prefetch" on a
+    CUDA device of compute capability 9.0+ with compiled Triton, None (plain launches) on an
+    older GPU, under Triton's interpreter or off CUDA."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert fp8_gemv.dependent_launches("cpu") is None
+    capability = {"cc": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cc"])
+    assert fp8_gemv.dependent_launches("cuda:0") == "prefetch"
+    capability["cc"] = (8, 9)
+    assert fp8_gemv.dependent_launches("cuda:0") is None
+    capability["cc"] = (10, 0)
+    assert fp8_gemv.dependent_launches("cuda:0") == "prefetch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fp8_gemv.dependent_launches("cuda:0") is None
+
+
 PDL_COMPILED = """
 import os
 import triton

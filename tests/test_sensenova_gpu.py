@@ -1074,13 +1074,14 @@ def test_gpu_rowgemv_runs_its_norms_apart_where_its_first_call_is_inside_a_captu
 
 
 def test_gpu_rowgemv_dependent_launches_give_the_plain_launches_bits_in_graphs(gpu):
-    """The row GEMV's programmatic dependent launches (``fp8.gemv.gemv``'s ``pdl``, issue
-    #42's experiment, which only the benchmark's profile parts turn on): each launch waits for
-    the one before it before it reads anything but its weight, so the step's graphs give the
-    plain launches' logits bit for bit, with each program's first weight block asked into L2
-    first ("prefetch") or not ("wait"), over 64 replayed steps."""
+    """The row GEMV's programmatic dependent launches (``fp8.gemv.gemv``'s ``pdl``; the hook's
+    step takes "prefetch" on Hopper): each launch waits for the one before it before it reads
+    anything but its weight, so the step's graphs give the plain launches' logits bit for bit,
+    with each program's first weight block asked into L2 first ("prefetch") or not ("wait"),
+    over 64 replayed steps."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch: compute capability 9.0 or newer")
+    assert sensenova_wiring.row_gemv_linears("cuda", 1)[0].pdl == "prefetch"
     layout = _fused_layout(gpu)
     decoders = {}
     for mode in (None, "prefetch", "wait"):

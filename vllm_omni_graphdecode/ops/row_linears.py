@@ -76,16 +76,17 @@ class RowLinears:
     ``table``: the hook's block sizes per weight shape (``fp8.gemv.config_for``; None: the
     shape rule). ``model``: the stats key."""
 
-    def __init__(self, model: str, table: dict | None = None, fold_norms: bool = True):
+    def __init__(self, model: str, table: dict | None = None, fold_norms: bool = True,
+                 pdl: str | None = None):
         self.model = model
         self.table = table
         self._head = None  # (weakref to the lm_head, the rows it keeps) once ``take_head``
         # ``fold_norms``: ``add_norm`` and ``swiglu_mlp_norm`` serve (the RMSNorm after o_proj
         # and after down computed by the launch's last program); else they answer None.
         self.fold_norms = fold_norms
-        # ``pdl``: every launch's ``fp8.gemv.gemv`` ``pdl`` mode (None: plain launches; the
-        # benchmark's profile parts set the others, an experiment of issue #42).
-        self.pdl = None
+        # ``pdl``: every launch's ``fp8.gemv.gemv`` ``pdl`` mode (None: plain launches). The
+        # hook passes ``fp8.gemv.dependent_launches(device)``: "prefetch" on Hopper.
+        self.pdl = pdl
         self._counts: dict[torch.device, torch.Tensor] = {}
 
     def _counts_on(self, device: torch.device) -> torch.Tensor | None:
@@ -241,4 +242,6 @@ class RowLinears:
     def describe(self) -> str:
         head = " and lm_head" if self._head is not None else ""
         norms = ", the RMSNorms in the o_proj and down launches" if self.fold_norms else ""
-        return f"bf16 row GEMVs{head}, SiLU-and-multiply in the gate-up launch{norms}"
+        pdl = (f", programmatic dependent launches ({self.pdl})" if self.pdl is not None
+               else "")
+        return f"bf16 row GEMVs{head}, SiLU-and-multiply in the gate-up launch{norms}{pdl}"

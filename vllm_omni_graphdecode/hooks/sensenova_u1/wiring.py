@@ -421,7 +421,8 @@ def row_gemv_linears(device, rows: int, language_model=None):
     why = row_linears.available(device)
     if why is not None:
         return None, [why]
-    linears = row_linears.RowLinears(MODEL, table=gemv_table.ROW_BF16)
+    linears = row_linears.RowLinears(MODEL, table=gemv_table.ROW_BF16,
+                                     pdl=row_linears.row_gemv.dependent_launches(device))
     if language_model is None:
         return linears, []
     from .fused_step import _takes

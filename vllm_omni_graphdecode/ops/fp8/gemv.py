@@ -61,6 +61,22 @@ NO_GEMV = Reason("one-row FP8 GEMV unavailable",
                  "against 2.44 ms for the 168 layers of the measured decode step on an H200)")
 
 
+def dependent_launches(device) -> str | None:
+    """The ``pdl`` mode a step's row GEMV launches take on ``device`` by default: "prefetch" on
+    compute capability 9.0+ with compiled Triton that has ``gdc_wait`` (Triton 3.6 under torch
+    2.11, 3.7 under 2.13), else None (plain launches: the same products, sums and bits, without
+    the overlap). Measured in ``benchmarks/results/h100-2026-12-07d``."""
+    device = torch.device(device)
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or torch.cuda.get_device_capability(device)[0] < 9):
+        return None
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return None
+    return "prefetch"
+
+
 def available(device) -> Reason | None:
     """Why the one-row GEMV cannot run on ``device`` (Marlin then serves one row too), or None."""
     device = torch.device(device)
