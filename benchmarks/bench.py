@@ -249,11 +249,11 @@ def bench_sensenova(args, rows, env):
             step = " + ".join(sensenova_wiring.describe_step(wiring.fusion,
                                                              wiring.kv_writer)) or "unfused"
             k = cfg.tokens_per_launch
-            log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
-                f"step {step}, {k} tokens/launch ({summary}; {snap['counters']})")
-            if pdl is not None:
+            if pdl is not None:  # set after install: the summary names the hook's default
                 step += (", each GEMV a plain launch" if pdl == "plain" else
                          f", each GEMV a programmatic dependent launch (pdl={pdl})")
+            log(f"ctx {ctx}: {name} {ours:.2f} ms/token (gate {gate:.2f} ms a request), "
+                f"step {step}, {k} tokens/launch (install: {summary}; {snap['counters']})")
             rows.append(common.case(name, eager, ours, floor,
                                     side=f"plugin paged + graph, FA{fa}, step {step}, "
                                          f"{k} tokens per launch",
