@@ -67,8 +67,8 @@ def dependent_launches(device) -> str | None:
     2.11, 3.7 under 2.13), else None (plain launches: the same products, sums and bits, without
     the overlap). On an H100 80GB (``benchmarks/results/h100-2026-12-07d``): the graphed bf16
     step at context 2048 6.80 against 6.88 ms, through the text loop 1.02-1.04x the plain
-    launches at 512 and 2048 on vllm-omni 0.26 and 0.30; "wait" (no prefetch) 6.81 against
-    6.84-6.89 in an earlier run (``h100-2026-12-07c``)."""
+    launches at 512 and 2048 on vllm-omni 0.26 and 0.30; in an earlier run (``h100-2026-12-07c``)
+    "prefetch" 6.77, "wait" 6.81, plain 6.86."""
     device = torch.device(device)
     if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or torch.cuda.get_device_capability(device)[0] < 9):
