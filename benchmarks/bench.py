@@ -768,11 +768,14 @@ def bench_profile(args, rows, env):
     head = getattr(args, "fp8_lm_head", False)
     fp8_name = f"sensenova_graph_fp8{'_lmhead' if head else ''}_ctx{ctx}"
     graphs = [(f"sensenova_graph_ctx{ctx}", k, "graph"), (f"sensenova_graph_k1_ctx{ctx}", 1, "graph_k1"),
-              (fp8_name, k, "graph_fp8"), (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv"),
+              (fp8_name, k, "graph_fp8"),
+              (fp8_name.replace("_ctx", "_plain_ctx"), k, "graph_fp8_plain"),
+              (f"sensenova_graph_rowgemv_ctx{ctx}", k, "graph_rowgemv"),
               (f"sensenova_graph_rowgemv_nofold_ctx{ctx}", k, "graph_rowgemv_nofold"),
               (f"sensenova_graph_rowgemv_pdl_ctx{ctx}", k, "graph_rowgemv_pdl"),
               (f"sensenova_graph_rowgemv_pdlwait_ctx{ctx}", k, "graph_rowgemv_pdlwait")]
     fusions = {"graph_fp8": lambda: _fp8_fusion(lm, device, head),
+               "graph_fp8_plain": lambda: _fp8_fusion(lm, device, head, plain=True),
                "graph_rowgemv": lambda: _rowgemv_fusion(lm, device),
                "graph_rowgemv_nofold": lambda: _rowgemv_fusion(lm, device, fold_norms=False),
                "graph_rowgemv_pdl": lambda: _rowgemv_fusion(lm, device, pdl="prefetch"),
@@ -840,16 +843,19 @@ def _rowgemv_fusion(lm, device, fold_norms=True, pdl=None):
     return fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
 
 
-def _fp8_fusion(lm, device, lm_head=False):
+def _fp8_fusion(lm, device, lm_head=False, plain=False):
     """The fused step with the one-request step's FP8 copies (as ``VLLM_OMNI_GRAPHDECODE_FP8``
     wires it; ``lm_head``: the head's copy too, as ``sensenova_lm_head`` does), or the error why
-    not."""
+    not. ``plain`` (the profile part ``graph_fp8_plain``): without the norm folds and with plain
+    launches, as before they were the FP8 step's, for the A/B in one process."""
     from vllm_omni_graphdecode.hooks.sensenova_u1 import fused_step, layouts as sl
 
     linears, why = fused_step.fp8_linears(lm, device, "sensenova_u1", one_row=True,
                                           lm_head=lm_head)
     if linears is None or (lm_head and not linears.has_head):
         raise RuntimeError(f"no FP8 copies: {[w.describe() for w in why]}")
+    if plain:
+        linears.fold_norms, linears.pdl = False, None
     fusion = fused_step.Fusion.select(lm, sl.detect_layout(lm), device, linears=linears)
     if not fusion.active:
         raise RuntimeError(f"no fused step: {fusion.reasons}")
@@ -1014,7 +1020,8 @@ def main():
     ap.add_argument("--profile-parts", type=lambda v: [p for p in v.split(",") if p],
                     default=list(PROFILE_PARTS),
                     help="which profiles: graph, graph_k1, graph_fp8 (the one-request step with "
-                         "FP8 copies), graph_rowgemv (the bf16 row GEMV step), "
+                         "FP8 copies), graph_fp8_plain (the same without its norm folds and "
+                         "dependent launches), graph_rowgemv (the bf16 row GEMV step), "
                          "graph_rowgemv_nofold (the same, its RMSNorms in launches of their "
                          "own; both with plain launches), graph_rowgemv_pdl / "
                          "graph_rowgemv_pdlwait (the same, each GEMV a programmatic dependent "

@@ -296,8 +296,9 @@ def test_fp8_floor_counts_the_decode_layers_copies_at_one_byte_and_keeps_lm_head
 
 def test_profile_parts_pick_the_profiles_and_fp8_says_why_it_cannot_run_here(tmp_path, monkeypatch,
                                                                           tiny_lm):
-    """``--profile-parts graph_fp8`` profiles only the one-request step with FP8 copies; without
-    FP8 (this CPU) its entry is the error that says why, and nothing else runs."""
+    """``--profile-parts graph_fp8,graph_fp8_plain`` profiles only the one-request step with FP8
+    copies, as wired and without its folds and dependent launches; without FP8 (this CPU) each
+    entry is the error that says why, and nothing else runs."""
     import bench
     from vllm_omni_graphdecode.ops import attention as kernels
 
@@ -306,14 +307,16 @@ def test_profile_parts_pick_the_profiles_and_fp8_says_why_it_cannot_run_here(tmp
     monkeypatch.setattr(bench.attention, "select_kernel", lambda *a, **k: kernels.REFERENCE)
     monkeypatch.setattr(bench.rm, "has_intree_paged_decode", lambda: False)
     args = SimpleNamespace(out=str(tmp_path), tag="cpu", profile_context=20, profile_steps=3,
-                           profile_eager_steps=3, fa=["3"], pending=[], profile_parts=["graph_fp8"])
+                           profile_eager_steps=3, fa=["3"], pending=[],
+                           profile_parts=["graph_fp8", "graph_fp8_plain"])
     rows, env = [], {}
     bench.bench_profile(args, rows, env)
     with open(tmp_path / "profile-cpu.json") as f:
         profiles = json.load(f)["profiles"]
-    assert list(profiles) == ["sensenova_graph_fp8_ctx20"]
-    assert "no FP8 copies" in profiles["sensenova_graph_fp8_ctx20"]["error"]
-    assert "FP8 weights unavailable" in profiles["sensenova_graph_fp8_ctx20"]["error"]
+    assert list(profiles) == ["sensenova_graph_fp8_ctx20", "sensenova_graph_fp8_plain_ctx20"]
+    for name in profiles:
+        assert "no FP8 copies" in profiles[name]["error"]
+        assert "FP8 weights unavailable" in profiles[name]["error"]
 
 
 def test_pdl_step_modes_run_the_rowgemv_step_and_are_compared_with_its_row():

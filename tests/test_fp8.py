@@ -322,6 +322,80 @@ def test_fp8_lm_head_copy_is_made_only_where_the_one_row_gemv_reads_plain_logits
     assert any("lm_head kept in bf16" in k for k in stats.degraded_paths("sensenova_u1"))
 
 
+FP8_FOLDS_INTERPRETED = """
+import torch
+from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv, linears as fp8_linears
+from vllm_omni_graphdecode.ops.layer_ops import REFERENCE_LAYER_OPS as ref
+from vllm_omni_graphdecode.testing import sensenova as st
+
+lm = st.build_lm(dtype=torch.bfloat16)
+layer, nxt = lm.model.layers[0], lm.model.layers[1]
+attn, mlp = layer.self_attn, layer.mlp
+# The one-row GEMV's copies, as Fp8Linears(one_row=True) makes them on a GPU that runs it.
+linears = fp8_linears.Fp8Linears("sensenova_u1")
+linears.gemv, linears._make, linears.fold_norms = True, fp8_gemv.Fp8GemvWeight, True
+assert linears.quantize({"o_proj": attn.o_proj, "gate_up_proj": mlp.gate_up_proj,
+                         "down_proj": mlp.down_proj}) == []
+g = torch.Generator().manual_seed(5)
+ln2, ln1 = layer.post_attention_layernorm, nxt.input_layernorm
+for norm in (ln2, ln1):  # weights away from one, so that a norm left out would show
+    norm.weight.data = (1 + 0.2 * torch.randn(norm.weight.shape, generator=g)).bfloat16()
+
+
+def close(got, want):  # the squares summed in another order, the interpreter truncating
+    return float((got.float() - want.float()).abs().max()) <= (
+        2 * 2.0 ** -7 * float(want.float().abs().max()) + 1e-3)
+
+
+with torch.inference_mode():
+    x = torch.randn(1, 1, attn.o_proj.weight.shape[1], generator=g).bfloat16()
+    residual = torch.randn(1, 1, attn.o_proj.weight.shape[0], generator=g).bfloat16()
+    plain = linears._copy_for(attn.o_proj).add_to(x, residual)  # the unfolded launch
+    got_res = residual.clone()
+    got_x = linears.add_norm(attn.o_proj, x, got_res, ln2.weight, ln2.variance_epsilon)
+    assert got_x is not None and got_x.shape == residual.shape
+    assert torch.equal(got_res, plain.view(residual.shape))  # the sum in place, bit for bit
+    assert close(got_x, ref.rms_norm(plain, ln2.weight, ln2.variance_epsilon))
+    counts = linears._counts.made[x.device]
+    assert int(counts.abs().sum()) == 0  # the count is back at zero
+    h = torch.randn(1, 1, mlp.gate_up_proj.weight.shape[1], generator=g).bfloat16()
+    want = linears.swiglu_mlp(mlp.gate_up_proj, mlp.down_proj, h, residual)
+    out, normed = linears.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, h, residual,
+                                          ln1.weight, ln1.variance_epsilon)
+    assert torch.equal(out, want)
+    assert close(normed, ref.rms_norm(want, ln1.weight, ln1.variance_epsilon))
+    assert int(counts.abs().sum()) == 0
+    desc = linears.describe()
+    assert "RMSNorms in the o_proj and down launches" in desc and "dependent" not in desc
+    # Without the folds, through Marlin's copies, or for a layer without a copy: None (the
+    # caller's own steps).
+    linears.fold_norms = False
+    assert linears.add_norm(attn.o_proj, x, residual.clone(), ln2.weight,
+                            ln2.variance_epsilon) is None
+    assert linears.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, h, residual, ln1.weight,
+                                   ln1.variance_epsilon) is None
+    linears.fold_norms = True
+    assert linears.add_norm(layer.self_attn.qkv_proj, x, residual.clone(), ln2.weight,
+                            ln2.variance_epsilon) is None
+    marlin = fp8_linears.Fp8Linears("sensenova_u1")
+    assert not marlin.fold_norms and marlin.pdl is None
+    assert marlin.add_norm(attn.o_proj, x, residual.clone(), ln2.weight,
+                           ln2.variance_epsilon) is None
+    assert marlin.swiglu_mlp_norm(mlp.gate_up_proj, mlp.down_proj, h, residual, ln1.weight,
+                                  ln1.variance_epsilon) is None
+print("ok")
+"""
+
+
+def test_fp8_one_row_linears_fold_the_norms_after_o_proj_and_down_under_triton_interpreter():
+    """The FP8 one-row GEMV's copies fold the norms as the bf16 row GEMV does: ``add_norm`` adds
+    o_proj's product into the residual in place (the unfolded launch's bits) and returns the
+    post-attention norm; ``swiglu_mlp_norm``'s sum is ``swiglu_mlp``'s bit for bit and its
+    norm the next layer's input norm within bf16 rounding; the counts back at zero; without
+    the folds, through Marlin or for a layer without a copy, None."""
+    _run_interpreted(FP8_FOLDS_INTERPRETED)
+
+
 def test_w8a8_copies_with_fast_accumulation_carry_the_flag_to_scaled_mm(monkeypatch):
     """``W8A8Copies(fast_accum=True)`` hands out ``(w8, scale, True)``, and ``linear`` passes the
     flag to ``torch._scaled_mm`` as ``use_fast_accum`` (recorded on the real op's call); plain

@@ -32,7 +32,6 @@ through both (its answer must not depend on whether it ran alone).
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -40,6 +39,7 @@ import torch
 from ..core import stats
 from ..core.reasons import Reason
 from . import gemv
+from .counts import CountBuffers
 from .fp8 import gemv as row_gemv
 
 ROW_LAYER_KEPT = Reason("layer kept on cuBLAS",
@@ -87,22 +87,12 @@ class RowLinears:
         # ``pdl``: every launch's ``fp8.gemv.gemv`` ``pdl`` mode (None: plain launches). The
         # hook passes ``fp8.gemv.dependent_launches(device)``: "prefetch" on Hopper.
         self.pdl = pdl
-        self._counts: dict[torch.device, torch.Tensor] = {}
+        self._counts = CountBuffers(16)
 
     def _counts_on(self, device: torch.device) -> torch.Tensor | None:
-        """The zeroed per-row count buffer of ``device`` (the one-row step's launches run on one
-        stream), made at the first call outside a graph capture (the warm-ups before one);
-        None without ``fold_norms``, off CUDA (but under Triton's interpreter: the CPU tests), or
-        inside a capture before that."""
-        if not self.fold_norms or (device.type != "cuda"
-                                   and os.environ.get("TRITON_INTERPRET") != "1"):
-            return None
-        buf = self._counts.get(device)
-        if buf is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            buf = self._counts[device] = torch.zeros(16, dtype=torch.int32, device=device)
-        return buf
+        """The zeroed per-row count buffer of ``device`` (``counts.CountBuffers``: the one-row
+        step's launches run on one stream); None without ``fold_norms``."""
+        return self._counts.on(device) if self.fold_norms else None
 
     def add_norm(self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | None:

@@ -53,6 +53,7 @@ from ..core import stats
 from ..core.reasons import Reason
 from ..graphs.compiling import triton_kernel
 from . import gemv
+from .counts import CountBuffers
 from .row_linears import ROW_LAYER_KEPT, available as _one_row_available
 
 TILE_ROWS = 16  # rows of the tile: 1-16 rows, absent ones read as zeros
@@ -294,21 +295,13 @@ class RowsLinears:
         # ``fixup``: split GEMMs add their parts in their own last program (``rows_gemm``'s
         # ``counts``), the same bits in one launch instead of two.
         self.fixup = fixup
-        self._counts: dict[torch.device, torch.Tensor] = {}
+        self._counts = CountBuffers(COUNT_BLOCKS)
 
     def _counts_on(self, device: torch.device) -> torch.Tensor | None:
-        """The zeroed count buffer of ``device`` (the batched step's launches run on one stream
-        at a time), made at the first call outside a graph capture (the warm-ups before one);
-        None without ``fixup`` or inside a capture before that (the adding launch runs)."""
-        if not self.fixup:
-            return None
-        buf = self._counts.get(device)
-        if buf is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            buf = self._counts[device] = torch.zeros(COUNT_BLOCKS, dtype=torch.int32,
-                                                     device=device)
-        return buf
+        """The zeroed count buffer of ``device`` (``counts.CountBuffers``: the batched step's
+        launches run on one stream at a time); None without ``fixup`` (the adding launch
+        runs)."""
+        return self._counts.on(device) if self.fixup else None
 
     @staticmethod
     def _readable(module, rows: int):

@@ -160,23 +160,28 @@ class Fp8GemvWeight:
         return sum(t.numel() * t.element_size()
                    for t in (self.w8, self.scale, self.bias) if t is not None)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 pdl: str | None = None) -> torch.Tensor:
         y = gemv(x, self.w8, self.scale, self.bias, self.config, None if self.pairs is not None
-                 else out)
+                 else out, pdl=pdl)
         if self.pairs is None:
             return y
         y = torch.cat((y[..., 0::2], y[..., 1::2]), dim=-1)  # back to [gate; up]
         return y if out is None else out.view_as(y).copy_(y)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, pdl: str | None = None) -> torch.Tensor:
         """``silu(gate) * up`` of this gate-up layer's output, rounded as vLLM's
         ``silu_and_mul`` rounds it, [..., N / 2], as one launch (``pairs`` only)."""
-        return gemv(x, self.w8, self.scale, self.bias, self.config, swiglu_out=True)
+        return gemv(x, self.w8, self.scale, self.bias, self.config, swiglu_out=True, pdl=pdl)
 
-    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None,
+               *, norm: tuple[torch.Tensor, float] | None = None,
+               counts: torch.Tensor | None = None, pdl: str | None = None):
         """``residual + self(x)`` as one launch (the product rounded first, as the model
-        adds)."""
-        return gemv(x, self.w8, self.scale, self.bias, self.config, residual=residual)
+        adds), into ``out`` if given (``residual`` itself: in place); with ``norm`` and
+        ``counts`` also its RMSNorm (``gemv``'s ``norm``): ``(sum, normed)``."""
+        return gemv(x, self.w8, self.scale, self.bias, self.config, out, residual=residual,
+                    norm=norm, counts=counts, pdl=pdl)
 
     def mlp_tail(self, gate_up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(silu(gate) * up)`` for ``gate_up`` [..., 2K] as one launch: the

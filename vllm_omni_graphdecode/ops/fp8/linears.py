@@ -12,6 +12,7 @@ import torch
 from ...core import stats
 from ...core.reasons import Reason
 from .. import gemv
+from ..counts import CountBuffers
 from .marlin import Fp8Weight
 
 LAYER_KEPT = Reason("layer kept in bf16",
@@ -38,13 +39,21 @@ class Fp8Linears:
 
     ``quantize(modules)`` makes the copies at load; a call for a layer that cannot use one (a LoRA
     wrapper with an active adapter, a quantised or hooked layer) runs the module itself, counted
-    under ``LAYER_KEPT``. Inside a graph that decision is taken once, at capture."""
+    under ``LAYER_KEPT``. Inside a graph that decision is taken once, at capture.
+
+    Through the one-row GEMV, as the bf16 row GEMV step (``ops/row_linears.py``): the o_proj and
+    down launches also compute the RMSNorm after them (``add_norm``, ``swiglu_mlp_norm``;
+    ``fold_norms``), and on Hopper every launch is a programmatic dependent launch (``pdl``,
+    ``gemv.dependent_launches``)."""
 
     def __init__(self, model: str, one_row: bool = False, device="cuda", gemv_table=None):
         self.model = model
         self.gemv = False
         self.why_not_gemv = None  # with one_row: why Marlin serves the one row (counted by the hook)
         self._make = Fp8Weight
+        self.fold_norms = False  # the o_proj and down launches normalise (one-row GEMV only)
+        self.pdl = None  # every one-row GEMV launch's ``gemv.gemv`` ``pdl`` mode
+        self._counts = CountBuffers(16)
         if one_row:
             from . import gemv as row_gemv
 
@@ -52,6 +61,8 @@ class Fp8Linears:
             if self.why_not_gemv is None:
                 self.gemv = True
                 self._make = functools.partial(row_gemv.Fp8GemvWeight, table=gemv_table)
+                self.fold_norms = True
+                self.pdl = row_gemv.dependent_launches(device)
         self._copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._covered: weakref.WeakSet = weakref.WeakSet()  # what ``release`` lets be re-made
         # SwiGLU gate-up layers: with the one-row GEMV their copies pair gate and up rows, so
@@ -100,7 +111,7 @@ class Fp8Linears:
             self._head_copy = self._make(weight, None)
         elif self._head_copy.stale(weight, None):
             self._head_copy.refresh(weight, None)
-        return self._head_copy(hidden_states)
+        return self._head_copy(hidden_states, pdl=self.pdl)
 
     def quantize(self, modules) -> list[str]:
         """Make the copies of ``modules`` (name -> layer); returns why each one left is kept.
@@ -138,6 +149,10 @@ class Fp8Linears:
         kernel = "the plugin's one-row FP8 GEMV" if self.gemv else "vLLM Marlin"
         if self.gemv and len(self._gate_up):
             kernel += ", SiLU-and-multiply in the gate-up launch"
+        if self.gemv and self.fold_norms:
+            kernel += ", the RMSNorms in the o_proj and down launches"
+        if self.gemv and self.pdl is not None:
+            kernel += f", programmatic dependent launches ({self.pdl})"
         head = " and lm_head" if self._head is not None else ""
         return (f"FP8 weights for {len(self)} linear layers{head} ({self.nbytes / 1e9:.2f} GB "
                 f"beside the bf16 ones; {kernel})")
@@ -162,7 +177,7 @@ class Fp8Linears:
             stats.degraded(self.model, LAYER_KEPT.because(
                 f"{type(module).__name__} (LoRA adapter active, quantised, hooked or not copied)"))
             return module(x)[0]
-        return copy(x)
+        return copy(x, pdl=self.pdl) if self.gemv else copy(x)
 
     def swiglu_mlp(self, gate_up_module, down_module, x, residual):
         """``residual + down(silu(gate) * up)`` of ``x`` in two launches of the one-row GEMV:
@@ -176,7 +191,39 @@ class Fp8Linears:
         down = self._copy_for(down_module)
         if up is None or down is None or getattr(up, "pairs", None) is None:
             return None
-        return down.add_to(up.swiglu(x), residual)
+        return down.add_to(up.swiglu(x, pdl=self.pdl), residual, pdl=self.pdl)
+
+    def add_norm(self, module, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+        """``residual <- residual + module(x)`` in place, then ``rms_norm(residual) * weight``
+        returned, in one launch of the one-row GEMV (``row_linears.RowLinears.add_norm``'s
+        contract), or None: Marlin's copies, no copy for ``module``, shapes that do not fit,
+        no count buffer (the caller runs its own steps)."""
+        copy = self._copy_for(module) if self.gemv else None
+        counts = self._counts.on(x.device) if self.fold_norms else None
+        if (copy is None or counts is None or getattr(copy, "pairs", None) is not None
+                or residual.numel() != copy.n or not residual.is_contiguous()
+                or weight.shape != (copy.n,)):
+            return None
+        _, normed = copy.add_to(x, residual, residual.view(1, -1), norm=(weight, eps),
+                                counts=counts, pdl=self.pdl)
+        return normed.view(residual.shape)
+
+    def swiglu_mlp_norm(self, gate_up_module, down_module, x, residual, weight, eps):
+        """``(residual + down(silu(gate) * up), rms_norm(that) * weight)`` in two launches (the
+        down launch's last program normalises: the next layer's input norm), or None where
+        ``swiglu_mlp`` would not serve or there is no count buffer."""
+        if not self.gemv:
+            return None
+        up = self._copy_for(gate_up_module)
+        down = self._copy_for(down_module)
+        counts = self._counts.on(x.device) if self.fold_norms else None
+        if (up is None or down is None or getattr(up, "pairs", None) is None or counts is None
+                or residual.numel() != down.n or weight.shape != (down.n,)):
+            return None
+        out, normed = down.add_to(up.swiglu(x, pdl=self.pdl), residual, norm=(weight, eps),
+                                  counts=counts, pdl=self.pdl)
+        return out.view(residual.shape), normed.view(residual.shape)
 
     def mlp_tail(self, module, gate_up, residual):
         """``residual + down_proj(silu(gate) * up)`` as one launch of the one-row GEMV; None
