@@ -283,28 +283,36 @@ from vllm_omni_graphdecode.ops.fp8 import gemv as fp8_gemv
 kernel = fp8_gemv._define(triton, tl)  # a compiled-mode JIT function: no interpreter here
 types = {"norm_eps": "fp32", "w_addr": "i64", "count_ptr": "*i32"}
 ints = ("N", "K", "stride_xm", "stride_wn", "stride_rm", "stride_om")
-# The step's kinds of launch: qkv's and lm_head's (plain), o_proj's and down's (a residual and
-# the norm fold), gate-up's (its gate and up rows read from the weight's halves), each plain and
-# in both modes.
-for kind in ("plain", "fold", "halves"):
-    halves, fold = kind == "halves", kind == "fold"
-    for mode in (None, "prefetch", "wait"):
-        consts = {"HAS_BIAS": False, "SILU_MUL": False, "HAS_RESIDUAL": fold,
-                  "EVEN_N": True, "EVEN_K": True, "BLOCK_N": 16, "BLOCK_K": 512,
-                  "SWIGLU_OUT": halves, "HAS_SCALE": False, "HALVES": halves, "NORM": fold,
-                  "NORM_N": 4096, "PDL": mode is not None, "PDL_PREFETCH": mode == "prefetch",
-                  "LANES": 256}
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32" if n in ints else "*bf16")
-               for n in kernel.arg_names}
-        src = triton.compiler.ASTSource(
-            fn=kernel, signature=sig,
-            constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": 8}).asm["ptx"]
-        on = mode is not None
-        assert ("griddepcontrol.wait" in ptx) is on, (kind, mode)
-        assert ("griddepcontrol.launch_dependents" in ptx) is on, (kind, mode)
-        assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), (kind, mode)
+# The steps' kinds of launch: qkv's and lm_head's (plain), o_proj's and down's (a residual and
+# the norm fold), gate-up's (its gate and up rows read from the bf16 weight's halves, or from
+# the FP8 copy's paired rows), each plain and in both modes, on bf16 weights (the row GEMV step)
+# and FP8 copies with their scales (the FP8 step).
+compiled = 0
+for weights in ("bf16", "fp8"):
+    fp8 = weights == "fp8"
+    w_types = {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32"} if fp8 else {}
+    for kind in ("plain", "fold", "gate_up"):
+        gate_up, fold = kind == "gate_up", kind == "fold"
+        for mode in (None, "prefetch", "wait"):
+            consts = {"HAS_BIAS": False, "SILU_MUL": False, "HAS_RESIDUAL": fold,
+                      "EVEN_N": True, "EVEN_K": True, "BLOCK_N": 16, "BLOCK_K": 512,
+                      "SWIGLU_OUT": gate_up, "HAS_SCALE": fp8, "HALVES": gate_up and not fp8,
+                      "NORM": fold, "NORM_N": 4096, "PDL": mode is not None,
+                      "PDL_PREFETCH": mode == "prefetch", "LANES": 256}
+            sig = {n: "constexpr" if n in consts else {**types, **w_types}.get(
+                n, "i32" if n in ints else "*bf16") for n in kernel.arg_names}
+            src = triton.compiler.ASTSource(
+                fn=kernel, signature=sig,
+                constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                 options={"num_warps": 8}).asm["ptx"]
+            on = mode is not None
+            assert ("griddepcontrol.wait" in ptx) is on, (weights, kind, mode)
+            assert ("griddepcontrol.launch_dependents" in ptx) is on, (weights, kind, mode)
+            assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), (weights, kind,
+                                                                                  mode)
+            compiled += 1
+assert compiled == 18, compiled
 print("ok")
 """
 
@@ -315,7 +323,8 @@ def test_row_gemv_dependent_launch_compiles_for_hopper_with_its_wait_trigger_and
     start (``griddepcontrol.launch_dependents``), "prefetch" adds the L2 bulk prefetch of each
     row's first block, "wait" does not, and a plain launch has none of them; for qkv's and
     lm_head's launch (plain), o_proj's and down's (residual and norm fold) and gate-up's (gate
-    and up rows from the weight's halves)."""
+    and up rows from the weight's halves, or the FP8 copy's paired rows), on bf16 weights and
+    on FP8 copies with their scales."""
     import os
     import subprocess
     import sys
