@@ -303,10 +303,10 @@ def opaque(rep: dict, expected_min_kernels: int) -> bool:
 
 # ------------------------------------------------------------------ SenseNova-U1
 
-def sensenova_gemms(lm, fp8: bool = False) -> tuple[tuple, dict[str, int]]:
+def sensenova_gemms(lm, fp8: bool = False, fp8_head: bool = False) -> tuple[tuple, dict[str, int]]:
     """One step's weight GEMMs (per-layer names, layers, tail) and the bytes each reads a call;
-    ``ops/fp8``: the per-layer projections read their e4m3 copies (a byte a weight), ``lm_head``
-    bf16."""
+    ``fp8``: the per-layer projections read their e4m3 copies (a byte a weight); ``fp8_head``:
+    ``lm_head`` reads its copy too (else bf16)."""
     layers = lm.model.layers
     layout = (SENSENOVA_PROJECTIONS, len(layers), "lm_head")
     sizes: dict[str, int] = {}
@@ -318,7 +318,7 @@ def sensenova_gemms(lm, fp8: bool = False) -> tuple[tuple, dict[str, int]]:
         if w is not None:
             sizes[name] = w.numel() * (1 if fp8 else w.element_size())
     w = lm.lm_head.weight
-    sizes["lm_head"] = w.numel() * w.element_size()
+    sizes["lm_head"] = w.numel() * (1 if fp8_head else w.element_size())
     return layout, sizes
 
 
@@ -331,8 +331,9 @@ def profile_sensenova_graph(lm, kernel, prefix_logits, make_cache, ctx: int, *, 
     FP8 copies makes the GEMMs' bytes a byte a weight)."""
     from vllm_omni_graphdecode.ops.fp8 import linears
 
-    layout, sizes = sensenova_gemms(
-        lm, fp8=isinstance(getattr(fusion, "gemv", None), linears.Fp8Linears))
+    copies = getattr(fusion, "gemv", None)
+    fp8 = isinstance(copies, linears.Fp8Linears)
+    layout, sizes = sensenova_gemms(lm, fp8=fp8, fp8_head=fp8 and copies.has_head)
 
     def run(graphs: bool) -> dict:
         from vllm_omni_graphdecode.hooks import sensenova_u1

@@ -365,3 +365,23 @@ def test_step_modes_on_the_command_line_take_the_benchmarks_own_and_refuse_unkno
         bench.main()
     err = capsys.readouterr().err
     assert "--step-modes" in err and "'fast'" in err
+
+
+def test_sensenova_gemm_bytes_count_an_fp8_copy_at_one_byte_a_weight(tiny_lm):
+    """The profile's bandwidth per projection divides by the bytes the step reads: one a weight
+    for the layers' e4m3 copies, and for ``lm_head`` only where its own copy is read."""
+    import profile_step
+
+    lm, _ = tiny_lm
+    head = lm.lm_head.weight
+    (_, layers, tail), bf16 = profile_step.sensenova_gemms(lm)
+    _, fp8 = profile_step.sensenova_gemms(lm, fp8=True)
+    _, both = profile_step.sensenova_gemms(lm, fp8=True, fp8_head=True)
+    assert layers == len(lm.model.layers) and tail == "lm_head"
+    size = head.element_size()  # the tiny model's dtype on this device
+    assert size > 1
+    assert bf16["lm_head"] == fp8["lm_head"] == size * head.numel() != both["lm_head"]
+    assert both["lm_head"] == head.numel()
+    down = lm.model.layers[0].mlp.down_proj.weight
+    assert bf16["down_proj"] == size * down.numel()
+    assert fp8["down_proj"] == both["down_proj"] == down.numel()
