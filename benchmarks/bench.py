@@ -189,15 +189,19 @@ def _gate_ms(wiring) -> float:
     return round(sorted(times)[2], 3)
 
 
-def _text_contexts(args, env):
+def _text_contexts(args, env, rows):
     """Yields (model, tokenizer, ctx, prefix logits, cache factory, floor ms) for each
     ``--contexts`` of the text-loop cases; on 0.30 the in-tree decode is switched off for the
-    eager side (the child that times it switches it on for itself)."""
+    eager side (the child that times it switches it on for itself). ``rows`` is written out
+    before each context after the first: a run cut at its time limit keeps the contexts it
+    finished."""
     lm, tok = sensenova_model()
     bw = copy_bandwidth(env)
     if rm.has_intree_paged_decode():
         os.environ["VLLM_OMNI_SENSENOVA_PAGED_DECODE"] = "0"
-    for ctx in args.contexts:
+    for i, ctx in enumerate(args.contexts):
+        if i:
+            _write(args, rows, env)
         prefix_logits, make_cache = rm.random_prefix(lm, ctx, seed=ctx)
         floor = sensenova_read_bytes(lm, ctx + args.steps // 2) / bw * 1e3
         yield lm, tok, ctx, prefix_logits, make_cache, floor
@@ -207,7 +211,7 @@ def bench_sensenova(args, rows, env):
     is_030 = rm.has_intree_paged_decode()
     steps = args.steps
     lm = None
-    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env):
+    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env, rows):
         t_idx = ctx - 1
         eager_pipe = rm.build_pipeline(lm, tok, device="cuda")
         eager = _text_loop_ms(eager_pipe, prefix_logits, make_cache, t_idx, steps)
@@ -299,7 +303,7 @@ def bench_sampled(args, rows, env):
     ms/token: eager against the plugin at each ``--tokens-per-launch`` K (1: the loop draws each
     token itself from the graph's logits; more: the device draws them, ``token_loop.Sampling``)."""
     steps = args.steps
-    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env):
+    for lm, tok, ctx, prefix_logits, make_cache, floor in _text_contexts(args, env, rows):
         eager = _text_loop_ms(rm.build_pipeline(lm, tok, device="cuda"), prefix_logits,
                               make_cache, ctx - 1, steps, temperature=0.7)
         log(f"ctx {ctx}: sampled eager {eager:.2f} ms/token")

@@ -385,3 +385,28 @@ def test_sensenova_gemm_bytes_count_an_fp8_copy_at_one_byte_a_weight(tiny_lm):
     down = lm.model.layers[0].mlp.down_proj.weight
     assert bf16["down_proj"] == size * down.numel()
     assert fp8["down_proj"] == both["down_proj"] == down.numel()
+
+
+def test_text_loop_cases_write_each_finished_context_before_the_next(tmp_path, monkeypatch,
+                                                                     tiny_lm):
+    """A text-loop case cut at its time limit inside its third context still leaves the rows of
+    the first two in ``bench-<tag>.json``."""
+    import bench
+
+    monkeypatch.setattr(bench, "sensenova_model", lambda: tiny_lm)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda env: 1e11)
+    monkeypatch.setattr(bench.rm, "has_intree_paged_decode", lambda: False)
+    args = SimpleNamespace(out=str(tmp_path), tag="cpu", contexts=[16, 24, 32], steps=4)
+    rows, env, seen = [], {"gpu": "none"}, []
+    path = tmp_path / "bench-cpu.json"
+    for _, _, ctx, _, _, _ in bench._text_contexts(args, env, rows):
+        written = json.loads(path.read_text())["cases"] if path.exists() else None
+        seen.append((ctx, written))
+        rows.append({"case": f"row_ctx{ctx}"})
+        if ctx == 32:
+            break  # the run is cut here: the third context's row is never written
+    assert [ctx for ctx, _ in seen] == [16, 24, 32]
+    assert seen[0][1] is None
+    assert seen[1][1] == [{"case": "row_ctx16"}]
+    assert seen[2][1] == [{"case": "row_ctx16"}, {"case": "row_ctx24"}]
+    assert json.loads(path.read_text())["environment"] == env
