@@ -68,7 +68,8 @@ def dependent_launches(device) -> str | None:
     the overlap). On an H100 80GB (``benchmarks/results/h100-2026-12-07d``): the graphed bf16
     step at context 2048 6.80 against 6.88 ms, through the text loop 1.02-1.04x the plain
     launches at 512 and 2048 on vllm-omni 0.26 and 0.30; in an earlier run (``h100-2026-12-07c``)
-    "prefetch" 6.77, "wait" 6.81, plain 6.86."""
+    "prefetch" 6.77, "wait" 6.81, plain 6.86. The FP8 + ``lm_head`` step with its norm folds
+    too: 4.18 against 4.39 ms (``h100-2026-12-07e``)."""
     device = torch.device(device)
     if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or torch.cuda.get_device_capability(device)[0] < 9):
@@ -222,9 +223,9 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     but the weight, and lets the kernel after it start once its weight loop is done
     (``gdc_launch_dependents``). "prefetch": before waiting, each of its rows asks for its first
     ``block_k`` weights in L2; "wait": it only waits. The same products and sums in the same
-    order as a plain launch. The bf16 row GEMV step (``row_linears.RowLinears``) takes
-    ``dependent_launches(device)``, "prefetch" on Hopper; the FP8 step's launches stay plain
-    (not measured with it)."""
+    order as a plain launch. The bf16 row GEMV step (``row_linears.RowLinears``) and the FP8
+    one-row step (``linears.Fp8Linears``) take ``dependent_launches(device)``, "prefetch" on
+    Hopper."""
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
     if pdl is not None and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
