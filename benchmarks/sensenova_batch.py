@@ -24,7 +24,9 @@ Cases (rows of ``sensenova-batch.json``):
   ``profile-batch-b{N}.json``). ``--step-mode rowgemv``: the batched step's linear layers
   through the plugin's 16-row GEMM (``ops/rows_gemm.py``), names ending in ``_rowgemv``; the
   batch-1 side stays the cuBLAS fused step, so a run with it and one without, on one machine,
-  compare through ``ours_ms``.
+  compare through ``ours_ms``. ``--row-launches plain|dependent`` with it: that GEMM's launches
+  plain or programmatic dependent ones (names ending in ``_plain`` / ``_dependent``), the A/B
+  of ``rows_gemm``'s ``pdl``.
 - ``sensenova_batch_text_n{N}`` (``text``): N text answers, ``--text-prompt``-token prompts,
   ``--text-tokens`` tokens each (end tokens can never win: their lm_head rows are zero).
 - ``sensenova_batch_think_t2i_{size}_n{N}`` (``think``): N think text-to-image requests (1,024 think
@@ -519,9 +521,12 @@ def _denoise_mode(fp8: str, asked: str | None = None) -> str:
 
 def _step_suffix(args) -> str:
     """What the step case's row and profile names add: ``_fp8`` (FP8 copies), ``_rowgemv``
-    (``--step-mode rowgemv``), both in that order."""
+    (``--step-mode rowgemv``), ``_plain`` or ``_dependent`` (``--row-launches``), in that
+    order."""
+    launches = getattr(args, "row_launches", None)
     return (("_fp8" if args.fp8 != "off" else "")
-            + ("_rowgemv" if args.step_mode == "rowgemv" else ""))
+            + ("_rowgemv" if args.step_mode == "rowgemv" else "")
+            + (f"_{launches}" if launches else ""))
 
 
 def _suffix(args) -> str:
@@ -585,6 +590,11 @@ def main(argv=None) -> int:
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP (rowgemv: the "
                          "batched step's linear layers through the plugin's 16-row GEMM): "
                          "step case names end in _rowgemv")
+    ap.add_argument("--row-launches", choices=("plain", "dependent"), default=None,
+                    help="with --step-mode rowgemv: the 16-row GEMMs as plain launches or as "
+                         "programmatic dependent launches (Hopper; rows_gemm's pdl), set "
+                         "after install with pre-capture off; step case names end in _plain "
+                         "or _dependent (default: what the hook wires)")
     ap.add_argument("--denoise", choices=("graph", "fast"), default=None,
                     help="the plugin side's VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE (default: "
                          "fast when --fp8 asks for its W8A8 GEMMs, else graph, the exact "
@@ -620,6 +630,9 @@ def main(argv=None) -> int:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"--cases: {', '.join(unknown)} not accepted; accepted: {', '.join(CASES)}")
+    if args.row_launches and args.step_mode != "rowgemv":
+        ap.error(f"--row-launches {args.row_launches}: accepted with --step-mode rowgemv only "
+                 f"(the launches are the 16-row GEMM's)")
     ns = [int(x) for x in args.think_ns.split(",") if x]
     rows = min(16, max([args.n] + ns))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -699,12 +712,30 @@ def main(argv=None) -> int:
                         "VLLM_OMNI_GRAPHDECODE_SENSENOVA_DENOISE":
                             "off" if args.lm_only else _denoise_mode(args.fp8, args.denoise),
                         "VLLM_OMNI_GRAPHDECODE_FP8": args.fp8,
-                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": args.step_mode})
+                        "VLLM_OMNI_GRAPHDECODE_SENSENOVA_STEP": args.step_mode,
+                        # the launches are chosen after install: no graph captured before
+                        **({"VLLM_OMNI_GRAPHDECODE_PRECAPTURE": "0"} if args.row_launches
+                           else {})})
     stats.reset()
     summary = sensenova_u1.install(pipe, cfg, SimpleNamespace(
         od_config=SimpleNamespace(max_num_seqs=rows)))
     env["plugin_summary"] = summary
     log(summary)
+    if args.row_launches:
+        from vllm_omni_graphdecode.ops.fp8 import gemv as row_gemv
+        from vllm_omni_graphdecode.ops.rows_gemm import RowsLinears
+
+        linears = getattr(pipe, sensenova_u1.STATE_ATTR).batch.linears
+        if not isinstance(linears, RowsLinears):
+            ap.error(f"--row-launches {args.row_launches}: the batched step reads "
+                     f"{type(linears).__name__}, not the 16-row GEMM ({summary})")
+        linears.pdl = (None if args.row_launches == "plain"
+                       else row_gemv.dependent_launches(device))
+        if args.row_launches == "dependent" and linears.pdl is None:
+            ap.error(f"--row-launches dependent: {device} runs no dependent launch (compute "
+                     f"capability 9.0+ and a Triton with gdc_wait)")
+        env["row_launches"] = linears.describe()
+        log(env["row_launches"])
     if "step" in cases and device.type == "cuda" and not over_budget("step"):
         try:
             bench_step(pipe, args, results, env, write)

@@ -247,7 +247,8 @@ def test_row_gemv_dependent_launch_modes_are_checked_and_need_a_compiled_hopper_
     with pytest.raises(ValueError, match=r"pdl='early': accepted: None, 'prefetch', 'wait'"):
         fp8_gemv.gemv(x, w, None, pdl="early")
     for mode in ("prefetch", "wait"):
-        with pytest.raises(ValueError, match=r"compute capability 9\.0 or newer \(x is on cpu\)"):
+        with pytest.raises(ValueError,
+                           match=r"compute capability 9\.0 or newer \(the input is on cpu\)"):
             fp8_gemv.gemv(x, w, None, pdl=mode)
 
 

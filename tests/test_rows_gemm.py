@@ -221,7 +221,11 @@ def test_rowgemv_beside_the_batched_step_reads_the_row_gemm_and_is_refused_off_c
 def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
     """Every launch variant the batched step uses, compiled by Triton down to an sm_90 cubin
     with no GPU (Triton's own ptxas): a kernel the interpreter runs but the compiler refuses
-    would otherwise fail only at a GPU's first batched launch."""
+    would otherwise fail only at a GPU's first batched launch. Each GEMM variant also as a
+    dependent launch (``pdl``): it then waits for the kernel before it
+    (``griddepcontrol.wait``) and lets the next one start (``griddepcontrol.launch_dependents``),
+    "prefetch" adds the L2 bulk prefetch of each row's first block, and a plain launch has none
+    of them."""
     import pytest
 
     triton = pytest.importorskip("triton")
@@ -237,15 +241,23 @@ def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
     for partial, res, fixup, swiglu in ((False, False, False, False), (False, True, False, False),
                                         (True, False, False, False), (True, True, True, False),
                                         (True, False, True, True)):
-        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16",
-               "part_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32", **ints}
-        const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": 2 if partial else 1,
-                 "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res, "FIXUP": fixup,
-                 "SWIGLU": swiglu}
-        sig.update({name: "constexpr" for name in const})
-        compiled = triton.compile(ASTSource(gemm, sig, const), target=target,
-                                  options={"num_warps": 4, "num_stages": 4})
-        assert compiled.asm["cubin"], (partial, res, fixup, swiglu)
+        for mode in (None, "prefetch", "wait"):
+            sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16",
+                   "part_ptr": "*fp32", "out_ptr": "*bf16", "count_ptr": "*i32",
+                   "w_addr": "i64", **ints}
+            const = {"BLOCK_N": 64, "BLOCK_K": 128, "ROWS": 16, "SPLIT_K": 2 if partial else 1,
+                     "BIAS": True, "WIDEN": False, "PARTIAL": partial, "RES": res,
+                     "FIXUP": fixup, "SWIGLU": swiglu, "PDL": mode is not None,
+                     "PDL_PREFETCH": mode == "prefetch", "LANES": 128}
+            sig.update({name: "constexpr" for name in const})
+            compiled = triton.compile(ASTSource(gemm, sig, const), target=target,
+                                      options={"num_warps": 4, "num_stages": 4})
+            what = (partial, res, fixup, swiglu, mode)
+            assert compiled.asm["cubin"], what
+            ptx = compiled.asm["ptx"]
+            assert ("griddepcontrol.wait" in ptx) is (mode is not None), what
+            assert ("griddepcontrol.launch_dependents" in ptx) is (mode is not None), what
+            assert ("cp.async.bulk.prefetch.L2" in ptx) is (mode == "prefetch"), what
     for swiglu, res, split in ((False, False, 4), (False, True, 4), (True, False, 1)):
         sig = {"part_ptr": "*fp32", "b_ptr": "*bf16", "res_ptr": "*bf16", "out_ptr": "*bf16",
                **{name: ints[name] for name in ("M", "N", "stride_rm", "stride_om")}}
@@ -255,3 +267,31 @@ def test_row_gemm_kernels_compile_for_hopper_on_this_cpu():
         compiled = triton.compile(ASTSource(add, sig, const), target=target,
                                   options={"num_warps": 4})
         assert compiled.asm["cubin"], (swiglu, res, split)
+
+
+def test_row_gemm_refuses_an_unknown_launch_mode_and_a_dependent_launch_without_a_gpu():
+    """``pdl`` is checked before anything runs: an unknown mode names the accepted ones, and a
+    dependent launch on CPU says what it needs."""
+    import pytest
+    import torch
+
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"pdl='later': accepted: None, 'prefetch', 'wait'"):
+        rows_gemm.rows_gemm(x, w, rows_gemm.config_for(64, 64), pdl="later")
+    with pytest.raises(ValueError, match="compute capability 9.0 or newer"):
+        rows_gemm.rows_gemm(x, w, rows_gemm.config_for(64, 64), pdl="wait")
+
+
+def test_a_weight_is_prefetchable_only_in_whole_16_byte_units():
+    """The bulk prefetch reads 16-byte units: a weight whose rows (K = 4,096) start and end on
+    them is prefetchable; one whose row length (K = 4,100) or row stride (a column slice), or
+    whose address (a view one element in), is off them is not (its launch only waits)."""
+    import torch
+
+    w = torch.zeros(8, 4104, dtype=torch.bfloat16)
+    assert rows_gemm.prefetchable(w[:, :4096].contiguous())
+    assert rows_gemm.prefetchable(w[:, :4096])  # stride 4,104 elements: 8,208 bytes
+    assert not rows_gemm.prefetchable(w[:, :4100].contiguous())
+    assert not rows_gemm.prefetchable(torch.zeros(8, 4097, dtype=torch.bfloat16)[:, :4096])
+    assert not rows_gemm.prefetchable(w.view(-1)[1:1 + 8 * 4096].view(8, 4096))

@@ -98,11 +98,28 @@ def test_profile_rows_takes_the_step_cases_row_counts_and_names_what_it_accepts(
     assert "--step-tokens 100: accepted: a multiple" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fp8, step_mode, suffix", [("off", "fused", ""),
-                                                    ("off", "rowgemv", "_rowgemv"),
-                                                    ("on", "fused", "_fp8")])
+
+def test_row_launches_are_refused_without_the_row_gemm_they_choose_for(tmp_path, capsys):
+    """``--row-launches`` picks the 16-row GEMM's launches: with the default cuBLAS step it is
+    refused before anything is built, naming the option it needs."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import sensenova_batch as sb
+
+    with pytest.raises(SystemExit) as exit_info:
+        sb.main(["--out", str(tmp_path), "--row-launches", "dependent"])
+    assert exit_info.value.code == 2
+    assert ("--row-launches dependent: accepted with --step-mode rowgemv only"
+            in capsys.readouterr().err)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("fp8, step_mode, launches, suffix",
+                         [("off", "fused", None, ""), ("off", "rowgemv", None, "_rowgemv"),
+                          ("off", "rowgemv", "dependent", "_rowgemv_dependent"),
+                          ("on", "fused", None, "_fp8")])
 def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_path, fp8,
-                                                                         step_mode, suffix):
+                                                                         step_mode, launches,
+                                                                         suffix):
     """On CPU the profiler sees no device kernels: the report is written, and says so; its
     names carry the step rows' suffix (a ``--step-mode rowgemv`` profile was once named _fp8)."""
     from types import SimpleNamespace
@@ -124,7 +141,7 @@ def test_profile_of_the_batched_step_writes_its_report_and_a_summary_row(tmp_pat
 
     rows = []
     args = SimpleNamespace(step_tokens=4, context=64, out=str(tmp_path), fp8=fp8,
-                           step_mode=step_mode)
+                           step_mode=step_mode, row_launches=launches)
     sb.profile_batched_step(run, 8, 2.5, lm, args, rows, fp8=False, device_type="cpu")
     assert calls == [1]
     name = "profile-batch-b8" + suffix.replace("_", "-") + ".json"

@@ -355,3 +355,78 @@ def test_gpu_row_gemm_keeps_its_adding_launch_where_the_last_program_cannot_add(
     assert torch.equal(got, want)
     made = linears._counts_on(x.device)
     assert made is not None and not made.any()
+
+
+def _dependent_or_skip():
+    from vllm_omni_graphdecode.ops.fp8 import gemv as row_gemv
+
+    mode = row_gemv.dependent_launches("cuda")
+    if mode is None:
+        pytest.skip("no dependent launch on this GPU (compute capability 9.0+ and a Triton "
+                    "with gdc_wait)")
+    return mode
+
+
+def test_gpu_row_gemm_dependent_launches_give_the_plain_launches_bits():
+    """``rows_gemm``'s ``pdl``: a layer's chain at the released shapes (qkv, o_proj with the
+    residual, gate-up's SwiGLU, down with the residual, each reading the one before) as
+    dependent launches, eager and replayed from one graph, in both modes, equals the plain
+    launches bit for bit at 16 and 3 rows; the count buffer is zero after."""
+    from vllm_omni_graphdecode.ops import rows_gemm as rg
+
+    _dependent_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+              "down": (4096, 12288)}
+    w = {name: (torch.randn(*s, generator=g, device="cuda") * 0.02).bfloat16()
+         for name, s in shapes.items()}
+    counts = torch.zeros(rg.COUNT_BLOCKS, dtype=torch.int32, device="cuda")
+
+    def layer(h, pdl):
+        qkv = rg.rows_gemm(h, w["qkv"], rg.config_for(*shapes["qkv"]), counts=counts, pdl=pdl)
+        h = rg.rows_gemm(qkv[:, :4096], w["o"], rg.config_for(*shapes["o"]), residual=h,
+                         counts=counts, pdl=pdl)
+        act = rg.rows_gemm(h, w["gate_up"], rg.config_for(*shapes["gate_up"]), swiglu=True,
+                           counts=counts, pdl=pdl)
+        return rg.rows_gemm(act, w["down"], rg.config_for(*shapes["down"]), residual=h,
+                            counts=counts, pdl=pdl)
+
+    for m in (16, 3):
+        x = torch.randn(m, 4096, generator=g, device="cuda").bfloat16()
+        want = layer(layer(x, None), None)
+        for mode in ("prefetch", "wait"):
+            assert torch.equal(layer(layer(x, mode), mode), want), (m, mode)
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = layer(layer(static, mode), mode)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (m, mode)
+            assert not counts.any(), (m, mode)
+
+
+def test_gpu_rowgemv_batch_dependent_launches_answer_as_plain_ones(checkpoint):  # noqa: F811
+    """The batched step's 16-row GEMMs as dependent launches (``RowsLinears.pdl``, set before
+    the first capture): the mixed batch's answers equal those of the same batch with plain
+    launches, bit for bit, and each request's answer alone."""
+    mode = _dependent_or_skip()
+    answers = {}
+    for pdl in (None, mode):
+        stats.reset()
+        pipe = _pipeline(checkpoint, cfg=_cfg(VLLM_OMNI_GRAPHDECODE_PRECAPTURE="0", **ROWGEMV))
+        linears = getattr(pipe, hook.STATE_ATTR).batch.linears
+        linears.pdl = pdl
+        assert ("dependent launches" in linears.describe()) is (pdl is not None)
+        requests = _mixed()
+        answers[pdl] = [_answer(o) for o in pipe.forward(_batch(requests))]
+        assert stats.get(MODEL, "batch_capture") >= 1
+        if pdl is not None:
+            alone = {i: _answer(pipe.forward(_batch([requests[i]]))) for i in (4, 1, 3)}
+            assert [answers[pdl][i] for i in (4, 1, 3)] == [alone[i] for i in (4, 1, 3)]
+        assert stats.fallbacks(MODEL) == {}
+        del pipe, linears
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert answers[mode] == answers[None]

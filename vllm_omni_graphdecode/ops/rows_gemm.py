@@ -36,6 +36,14 @@ session (``benchmarks/results/h100-2026-12-06f``): 7.89-7.91 against 7.95-7.99 m
 row (~0.9%), 8.99-9.05 against 9.06-9.10 at 8 (~0.6%), 10.46-10.57 against 10.44-10.60 at 16
 (no change): the adding moved to the tail of the GEMM, which costs most of what the launch did.
 
+Each launch can be a programmatic dependent launch on Hopper (``rows_gemm``'s ``pdl``,
+``RowsLinears(pdl=...)``), as the one-row GEMV's are (they took the graphed bf16 one-row step
+from 6.88 to 6.80 ms on an H100, ``fp8/gemv.dependent_launches``): the same sums in the same
+order, so the same bits. Not yet run on a GPU, so the batched step keeps plain launches; its
+GPU tests (``tests/test_sensenova_batch_gpu.py -k dependent``) and the A/B
+(``benchmarks/sensenova_batch.py --cases step --lm-only --step-mode rowgemv --row-launches
+plain|dependent``) decide whether ``rowgemv``'s batched step takes them.
+
 Rounding: one fp32 sum per output in a fixed order (per split, then the splits in order), the
 bias added in fp32, one bf16 rounding. A row's sum never reads another row, so each row of a
 16-row call equals the same row computed alone (checked on the H100 for every shape, and under
@@ -54,6 +62,7 @@ from ..core.reasons import Reason
 from ..graphs.compiling import triton_kernel
 from . import gemv
 from .counts import CountBuffers
+from .fp8 import gemv as row_gemv
 from .row_linears import ROW_LAYER_KEPT, available as _one_row_available
 
 TILE_ROWS = 16  # rows of the tile: 1-16 rows, absent ones read as zeros
@@ -90,7 +99,21 @@ def available(device) -> Reason | None:
     return None if why is None else NO_ROWS_GEMM.because(why.detail)
 
 
+def prefetchable(weight: torch.Tensor) -> bool:
+    """Whether a dependent launch can ask for ``weight``'s first blocks in L2 (``pdl``
+    "prefetch"): the bulk prefetch reads whole 16-byte units, so the weight's address, its row
+    stride and its row length in bytes must be multiples of 16 (every weight of the released
+    model is); else the launch only waits ("wait")."""
+    elt = weight.element_size()
+    return (weight.data_ptr() % 16 == 0 and weight.stride(0) * elt % 16 == 0
+            and weight.shape[1] * elt % 16 == 0)
+
+
 def _define(triton, tl):
+    global _gdc_wait, _gdc_launch_dependents, _prefetch_l2
+    _gdc_wait, _gdc_launch_dependents, _prefetch_l2 = row_gemv.dependent_launch_functions(
+        triton, tl)
+
     @triton.jit
     def finish(part_ptr, b_ptr, res_ptr, out_ptr, m, offs, mask, N, stride_rm, stride_om,
                ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BIAS: tl.constexpr,
@@ -140,14 +163,18 @@ def _define(triton, tl):
                   stride_xm, stride_wn, stride_rm, stride_om, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
                   BIAS: tl.constexpr, WIDEN: tl.constexpr, PARTIAL: tl.constexpr,
-                  RES: tl.constexpr, FIXUP: tl.constexpr = False, SWIGLU: tl.constexpr = False):
+                  RES: tl.constexpr, FIXUP: tl.constexpr = False, SWIGLU: tl.constexpr = False,
+                  w_addr=0, PDL: tl.constexpr = False, PDL_PREFETCH: tl.constexpr = False,
+                  LANES: tl.constexpr = 128):
         # part[split, m, n] = sum over this split's K of w[n, k] * x[m, k]: program
         # (pid_n, split); the tile is [BLOCK_N weight rows, ROWS rows], fp32. Without PARTIAL
         # (one split) it adds the bias in fp32 and writes out[m, n] in x's dtype itself (no
         # second launch), then with RES res[m, n] + out[m, n] as two tensors of x's dtype add.
         # With PARTIAL and FIXUP the program that writes a block's last part (an atomic count
         # per block, or per gate block and its up block with SWIGLU) adds the block's parts as
-        # the adding launch would (``finish``) and puts the count back to zero.
+        # the adding launch would (``finish``) and puts the count back to zero. With PDL (a
+        # dependent launch) it waits for the kernel before it before reading anything but the
+        # weight, and lets the next one start once its weight loop is done.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,6 +185,18 @@ def _define(triton, tl):
         w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
         x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None]
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        if PDL:
+            if PDL_PREFETCH:
+                # The weight only (no kernel's output): each of the block's rows asks for its
+                # first BLOCK_K weights of this split in L2 (``w_addr``: the weight's address).
+                # LANES covers every thread once, so no prefetch is asked for twice.
+                lane = tl.arange(0, LANES)
+                w_row = pid_n * BLOCK_N + lane
+                elt: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+                size = tl.where((lane < BLOCK_N) & (w_row < N) & (k0 < K),
+                                tl.minimum(K - k0, BLOCK_K) * elt, 0)
+                _prefetch_l2(w_addr + (w_row.to(tl.int64) * stride_wn + k0) * elt, size)
+            _gdc_wait()
         for start in range(0, per_split, BLOCK_K):
             k = k0 + start + offs_k
             k_mask = k < K
@@ -170,6 +209,8 @@ def _define(triton, tl):
                 acc += tl.dot(w, xt)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if PDL:  # the weight is read: the next launch may start
+            _gdc_launch_dependents()
         if PARTIAL:
             out = part_ptr + split * ROWS * N + offs_m[None, :] * N + offs_n[:, None]
             tl.store(out, acc, mask=offs_n[:, None] < N)
@@ -222,7 +263,7 @@ _kernels = triton_kernel(_define)
 def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
               part: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
               swiglu: bool = False, residual: torch.Tensor | None = None,
-              counts: torch.Tensor | None = None) -> torch.Tensor:
+              counts: torch.Tensor | None = None, pdl: str | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x`` [M, K] bf16 (M <= 16) and ``weight`` [N, K]: [M, N]
     in x's dtype, each row as if alone; ``bias`` [N] added to the fp32 sum before the one
     rounding. ``part``: a [split_k, 16, N] fp32 workspace to reuse.
@@ -237,7 +278,15 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     block of ``cfg.block_n`` weight rows: where given, the program that writes a block's last
     fp32 part adds the parts itself, in the same order and with the same roundings as the adding
     launch, which then does not run (one launch where there were two; the buffer is left at
-    zero). Calls that share a buffer must not run at the same time (one stream)."""
+    zero). Calls that share a buffer must not run at the same time (one stream).
+
+    ``pdl`` (``fp8.gemv.PDL_MODES``; None: a plain launch): the GEMM as a programmatic
+    dependent launch, as the one-row GEMV's (``fp8.gemv.gemv``): it may start while the kernel
+    before it finishes, waits for it before reading anything but the weight, and lets the next
+    launch start after its weight loop; "prefetch" first asks for each weight row's first block
+    in L2 ("wait" where the weight is not ``prefetchable``). The same products and sums in the
+    same order; the adding launch, where one runs, stays plain."""
+    row_gemv.check_pdl(pdl, x.device)
     m, k = x.shape
     n = weight.shape[0]
     if m > TILE_ROWS:
@@ -264,13 +313,18 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, cfg: Config,
     # block has its up block half the blocks on.
     fixup = (partial and counts is not None and blocks <= counts.numel()
              and (not swiglu or n % (2 * cfg.block_n) == 0))
+    if pdl == "prefetch" and not prefetchable(weight):
+        pdl = "wait"
     gemm[(blocks, cfg.split_k)](
         x, weight, b, res, out if part is None else part, out, counts if fixup else out, m, n,
         k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, ROWS=TILE_ROWS, SPLIT_K=cfg.split_k, BIAS=bias is not None,
         WIDEN=os.environ.get("TRITON_INTERPRET") == "1", PARTIAL=partial,
-        RES=residual is not None, FIXUP=fixup, SWIGLU=swiglu, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        RES=residual is not None, FIXUP=fixup, SWIGLU=swiglu,
+        w_addr=0 if pdl is None else weight.data_ptr(), PDL=pdl is not None,
+        PDL_PREFETCH=pdl == "prefetch", LANES=max(32 * cfg.num_warps, cfg.block_n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if pdl is None else {"launch_pdl": True}))
     if not partial or fixup:
         return out
     block = 1024
@@ -290,8 +344,11 @@ class RowsLinears:
     has_head = False
     nbytes = 0
 
-    def __init__(self, model: str, fixup: bool = True):
+    def __init__(self, model: str, fixup: bool = True, pdl: str | None = None):
         self.model = model
+        # ``pdl``: every GEMM launch's ``rows_gemm`` ``pdl`` mode (None: plain launches). Read
+        # at each call, so inside a graph at capture: set it before the first capture.
+        self.pdl = pdl
         # ``fixup``: split GEMMs add their parts in their own last program (``rows_gemm``'s
         # ``counts``), the same bits in one launch instead of two.
         self.fixup = fixup
@@ -330,7 +387,7 @@ class RowsLinears:
             return module(x)[0]
         weight = base.weight
         out = rows_gemm(x.reshape(rows, x.shape[-1]), weight, config_for(*weight.shape),
-                        bias=base.bias, counts=self._counts_on(x.device))
+                        bias=base.bias, counts=self._counts_on(x.device), pdl=self.pdl)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def swiglu_mlp(self, gate_up_module, down_module, x, residual):
@@ -348,9 +405,10 @@ class RowsLinears:
             return None
         counts = self._counts_on(x.device)
         act = rows_gemm(x.reshape(rows, x.shape[-1]), up.weight, config_for(*up.weight.shape),
-                        bias=up.bias, swiglu=True, counts=counts)
+                        bias=up.bias, swiglu=True, counts=counts, pdl=self.pdl)
         out = rows_gemm(act, down.weight, config_for(*down.weight.shape), bias=down.bias,
-                        residual=residual.reshape(rows, residual.shape[-1]), counts=counts)
+                        residual=residual.reshape(rows, residual.shape[-1]), counts=counts,
+                        pdl=self.pdl)
         return out.reshape(residual.shape)
 
     def mlp_tail(self, module, gate_up, residual):
@@ -361,5 +419,7 @@ class RowsLinears:
         """Nothing to drop: the GEMM reads the modules' own weights."""
 
     def describe(self) -> str:
+        pdl = (f", programmatic dependent launches ({self.pdl})" if self.pdl is not None
+               else "")
         return (f"bf16 row GEMMs ({TILE_ROWS}-row tile, block sizes from the shape; "
-                f"SiLU-and-multiply and residual add in their launches)")
+                f"SiLU-and-multiply and residual add in their launches{pdl})")

@@ -81,6 +81,20 @@ def dependent_launches(device) -> str | None:
     return "prefetch"
 
 
+def check_pdl(pdl: str | None, device) -> None:
+    """Refuse a ``pdl`` mode that is not one of ``PDL_MODES``, or one asked for where no
+    dependent launch can run (no compiled Triton on a GPU of compute capability 9.0+), naming
+    the value and what is accepted. The row GEMV and the row GEMM (``ops/rows_gemm.py``) check
+    their ``pdl`` here."""
+    if pdl not in PDL_MODES:
+        raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
+    device = torch.device(device)
+    if pdl is not None and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+                            or torch.cuda.get_device_capability(device)[0] < 9):
+        raise ValueError(f"pdl={pdl!r} needs compiled Triton on a GPU of compute capability "
+                         f"9.0 or newer (the input is on {device})")
+
+
 def available(device) -> Reason | None:
     """Why the one-row GEMV cannot run on ``device`` (Marlin then serves one row too), or None."""
     device = torch.device(device)
@@ -226,12 +240,7 @@ def gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     order as a plain launch. The bf16 row GEMV step (``row_linears.RowLinears``) and the FP8
     one-row step (``linears.Fp8Linears``) take ``dependent_launches(device)``, "prefetch" on
     Hopper."""
-    if pdl not in PDL_MODES:
-        raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
-    if pdl is not None and (x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-                            or torch.cuda.get_device_capability(x.device)[0] < 9):
-        raise ValueError(f"pdl={pdl!r} needs compiled Triton on a GPU of compute capability "
-                         f"9.0 or newer (x is on {x.device})")
+    check_pdl(pdl, x.device)
     n, k = w8.shape
     width = 2 * k if silu_mul else k
     x2 = x.reshape(-1, width)
@@ -310,14 +319,33 @@ def reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
     return out
 
 
-def _define(triton, tl):
-    """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
-    global _gdc_wait, _gdc_launch_dependents
+def dependent_launch_functions(triton, tl):
+    """What a kernel's dependent launch calls, for its module's globals (Triton resolves a
+    called function there): ``gdc_wait`` (wait for the kernel before it), ``gdc_launch_dependents``
+    (let the next one start), both None on a Triton without them (compiling with ``PDL`` then
+    fails naming them), and ``prefetch_l2(addr, size)``: ask for ``size`` bytes at each ``addr``
+    in L2, one bulk prefetch an element whose size is above zero (addresses and sizes in
+    multiples of 16 bytes, the bulk copy's unit). The one-row GEMV and the row GEMM
+    (``ops/rows_gemm.py``) share them."""
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-    except ImportError:  # an older Triton: compiling with PDL fails, naming these
+    except ImportError:
         gdc_launch_dependents = gdc_wait = None
-    _gdc_wait, _gdc_launch_dependents = gdc_wait, gdc_launch_dependents
+
+    @triton.jit
+    def prefetch_l2(addr, size):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    return gdc_wait, gdc_launch_dependents, prefetch_l2
+
+
+def _define(triton, tl):
+    """The Triton kernel (``compiling.triton_kernel`` defines it at first use)."""
+    global _gdc_wait, _gdc_launch_dependents, _prefetch_l2
+    _gdc_wait, _gdc_launch_dependents, _prefetch_l2 = dependent_launch_functions(triton, tl)
 
     @triton.jit
     def fp8_gemv(x_ptr, w_ptr, scale_ptr, bias_ptr, res_ptr, out_ptr, N, K, stride_xm,
@@ -356,11 +384,7 @@ def _define(triton, tl):
                     w_row = pid_n * BLOCK_N + lane
                 elt: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
                 size = tl.where((lane < BLOCK_N) & (w_row < N), BLOCK_K * elt, 0)
-                addr = w_addr + w_row.to(tl.int64) * stride_wn * elt
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r", [addr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+                _prefetch_l2(w_addr + w_row.to(tl.int64) * stride_wn * elt, size)
             _gdc_wait()
         for start in range(0, K, BLOCK_K):
             if EVEN_K:
