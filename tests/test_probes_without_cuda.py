@@ -13,7 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("probe", ["fp8_gemv.py", "fp8_accum.py"])
+@pytest.mark.parametrize("probe", ["fp8_gemv.py", "fp8_accum.py", "persistent_mlp.py"])
 def test_without_cuda_the_probe_exits_0_with_a_skipped_document(probe, tmp_path):
     script = os.path.join(ROOT, "benchmarks", "probes", probe)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": ROOT}
