@@ -39,10 +39,9 @@ row (~0.9%), 8.99-9.05 against 9.06-9.10 at 8 (~0.6%), 10.46-10.57 against 10.44
 Each launch can be a programmatic dependent launch on Hopper (``rows_gemm``'s ``pdl``,
 ``RowsLinears(pdl=...)``), as the one-row GEMV's are (they took the graphed bf16 one-row step
 from 6.88 to 6.80 ms on an H100, ``fp8/gemv.dependent_launches``): the same sums in the same
-order, so the same bits. Not yet run on a GPU, so the batched step keeps plain launches; its
-GPU tests (``tests/test_sensenova_batch_gpu.py -k dependent``) and the A/B
-(``benchmarks/sensenova_batch.py --cases step --lm-only --step-mode rowgemv --row-launches
-plain|dependent``) decide whether ``rowgemv``'s batched step takes them.
+order, so the same bits. Not yet run on a GPU, so a hook's batched step keeps plain launches
+until its GPU tests and an A/B of the two (docs/performance-history.md, "What would close the
+remaining gap") say whether to take them.
 
 Rounding: one fp32 sum per output in a fixed order (per split, then the splits in order), the
 bias added in fp32, one bf16 rounding. A row's sum never reads another row, so each row of a
