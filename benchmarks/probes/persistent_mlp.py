@@ -31,16 +31,17 @@ The tail span (``persistent_tail``, o_proj -> RMSNorm -> gate-up -> down, what t
 three launches after attention: ``RowLinears.add_norm`` or ``Fp8Linears.add_norm``, then
 ``swiglu_mlp``) puts a phase before those, and one more wait:
 
-0. o_proj: program p computes blocks p, p + P, ... as ``fp8_gemv`` does with ``residual`` and
-   ``norm`` (h1 = residual + o_proj(x)), counting each block (acq_rel); the program that counts
-   the last block normalises the whole row as the NORM path does (vLLM's ``rms_norm``
-   roundings) and releases one "normed ready" flag;
-1'. gate-up as 1., but each program asks for its first weight tile before it waits (acquire)
-   for that flag, so weight streaming goes on across the norm, and reads normed through L2;
-   then 2. to 4. (down adds h1, read through L2; the o_proj count and the flag go back to zero
-   with the rest). The kernel takes o_proj's warp count: the norm's sum spans every warp, so its
-   order is the warp count's (``TailLayout.num_warps``).
+* o_proj first: program p computes blocks p, p + P, ... as ``fp8_gemv`` does with ``residual``
+  and ``norm`` (h1 = residual + o_proj(x)), counting each block (acq_rel); the program that
+  counts the last block normalises the whole row as the NORM path does (vLLM's ``rms_norm``
+  roundings) and releases one "normed ready" flag;
+* then gate-up as in 1., but each program asks for its first weight tile before it waits
+  (acquire) for that flag, so weight streaming goes on across the norm, and reads normed
+  through L2; then 2. to 4. (down adds h1, read through L2; the o_proj count and the flag go
+  back to zero with the rest).
 
+The tail kernel takes o_proj's warp count: the norm's sum spans every warp, so its order is
+the warp count's (``TailLayout.num_warps``; the CPU tests compare the sums' layouts).
 The phases are @triton.jit functions both kernels call (``_gate_up_phase``, ``_down_phase``,
 ``_wait_for``, ``_count_done``).
 
