@@ -98,7 +98,6 @@ def test_profile_rows_takes_the_step_cases_row_counts_and_names_what_it_accepts(
     assert "--step-tokens 100: accepted: a multiple" in capsys.readouterr().err
 
 
-
 def test_row_launches_are_refused_without_the_row_gemm_they_choose_for(tmp_path, capsys):
     """``--row-launches`` picks the 16-row GEMM's launches: with the default cuBLAS step it is
     refused before anything is built, naming the option it needs."""

@@ -86,11 +86,13 @@ def check_pdl(pdl: str | None, device) -> None:
     dependent launch can run (no compiled Triton on a GPU of compute capability 9.0+), naming
     the value and what is accepted. The row GEMV and the row GEMM (``ops/rows_gemm.py``) check
     their ``pdl`` here."""
+    if pdl is None:  # a plain launch: nothing to check (every eager call passes here)
+        return
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl={pdl!r}: accepted: {', '.join(map(repr, PDL_MODES))}")
     device = torch.device(device)
-    if pdl is not None and (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-                            or torch.cuda.get_device_capability(device)[0] < 9):
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or torch.cuda.get_device_capability(device)[0] < 9):
         raise ValueError(f"pdl={pdl!r} needs compiled Triton on a GPU of compute capability "
                          f"9.0 or newer (the input is on {device})")
 
