@@ -407,6 +407,35 @@ def test_gpu_row_gemm_dependent_launches_give_the_plain_launches_bits():
             assert not counts.any(), (m, mode)
 
 
+def test_gpu_row_gemm_dependent_launch_of_an_unprefetchable_weight_only_waits_with_plain_bits():
+    """The fallback of "prefetch": a weight whose rows are not in whole 16-byte units (K =
+    4,100; a view one element in) is not ``prefetchable``, so its dependent launch only waits:
+    the same bits as a plain launch, eager and replayed, split with the residual and not."""
+    from vllm_omni_graphdecode.ops import rows_gemm as rg
+
+    _dependent_or_skip()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    base = (torch.randn(4096 * 4100 + 1, generator=g, device="cuda") * 0.02).bfloat16()
+    for w in (base[:4096 * 4100].view(4096, 4100), base[1:].view(4096, 4100)[:, :4096]):
+        assert not rg.prefetchable(w)
+        k = w.shape[1]
+        cfg = rg.config_for(*w.shape)
+        counts = torch.zeros(rg.COUNT_BLOCKS, dtype=torch.int32, device="cuda")
+        x = torch.randn(5, k, generator=g, device="cuda").bfloat16()
+        r = torch.randn(5, 4096, generator=g, device="cuda").bfloat16()
+        for kw in ({}, {"residual": r}):
+            want = rg.rows_gemm(x, w, cfg, counts=counts, **kw)
+            assert torch.equal(rg.rows_gemm(x, w, cfg, counts=counts, pdl="prefetch", **kw),
+                               want), (tuple(w.stride()), kw.keys())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                got = rg.rows_gemm(x, w, cfg, counts=counts, pdl="prefetch", **kw)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(got, want), (tuple(w.stride()), kw.keys())
+            assert not counts.any()
+
+
 def test_gpu_rowgemv_batch_dependent_launches_answer_as_plain_ones(checkpoint):  # noqa: F811
     """The batched step's 16-row GEMMs as dependent launches (``RowsLinears.pdl``, set before
     the first capture): the mixed batch's answers equal those of the same batch with plain
